@@ -1,0 +1,240 @@
+"""``python -m ckpt``: list, verify, inspect and garbage-collect checkpoints.
+
+Exit codes: 0 success; 1 verification failed (``verify``) or nothing committed
+where something was required; 2 bad usage or an error reaching storage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from ckpt.discovery import list_checkpoints, resolve
+from ckpt.errors import CheckpointError, CheckpointNotFoundError
+from ckpt.layout import DCP_METADATA_NAME
+from ckpt.reader import load_metadata
+from ckpt.retention import RetentionPolicy, apply_retention
+from ckpt.storage import Storage
+from ckpt.verify import verify_dir
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_ERROR = 2
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    infos = list_checkpoints(Storage(args.url))
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "step": i.step,
+                        "status": i.status,
+                        "url": i.url,
+                        "reason": i.reason,
+                        "bytes": i.manifest.total_bytes if i.manifest else None,
+                        "world_size": i.manifest.world_size if i.manifest else None,
+                        "created_at": i.manifest.created_at if i.manifest else None,
+                    }
+                    for i in infos
+                ],
+                indent=1,
+            )
+        )
+        return EXIT_OK
+    if not infos:
+        print(f"no checkpoints under {args.url}")
+        return EXIT_OK
+    print(f"{'STEP':>10}  {'STATUS':<9}  {'SIZE':>10}  {'WORLD':>5}  {'CREATED':<24}  NOTE")
+    for i in infos:
+        size = human_bytes(i.manifest.total_bytes) if i.manifest else "-"
+        world = str(i.manifest.world_size) if i.manifest else "-"
+        created = i.manifest.created_at[:23] if i.manifest else "-"
+        print(f"{i.step:>10}  {i.status:<9}  {size:>10}  {world:>5}  {created:<24}  {i.reason}")
+    committed = sum(i.committed for i in infos)
+    print(f"{committed} committed, {len(infos) - committed} partial, under {args.url}")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    storage, info = resolve(args.url, args.step)
+    if not info.committed or info.manifest is None:
+        print(f"FAIL  {info.url}: not committed: {info.reason}")
+        return EXIT_FAILED
+    report = verify_dir(storage.child(info.dirname), info.manifest, deep=args.deep)
+    mode = "deep" if args.deep else "fast"
+    if report.ok:
+        print(
+            f"OK    {info.url} (step {info.step}, {mode}: {report.files_checked} files, "
+            f"{human_bytes(info.manifest.total_bytes)}, {report.crc_checked} crc32c checked)"
+        )
+        return EXIT_OK
+    print(f"FAIL  {info.url} (step {info.step}, {mode}):")
+    for path, why in report.problems:
+        print(f"      {path}: {why}")
+    return EXIT_FAILED
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    storage, info = resolve(args.url, args.step)
+    if info.manifest is None:
+        print(f"{info.url}: not committed: {info.reason}")
+        return EXIT_FAILED
+    m = info.manifest
+    metadata = load_metadata(
+        storage.child(info.dirname).read_bytes(DCP_METADATA_NAME), url=info.url
+    )
+    tensors = []
+    for fqn, md in sorted(metadata.state_dict_metadata.items()):
+        size = getattr(md, "size", None)
+        dtype = getattr(getattr(md, "properties", None), "dtype", None)
+        tensors.append(
+            (
+                fqn,
+                tuple(size) if size is not None else None,
+                str(dtype).replace("torch.", "") if dtype else "bytes",
+            )
+        )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "url": info.url,
+                    "step": m.step,
+                    "world_size": m.world_size,
+                    "created_at": m.created_at,
+                    "run_id": m.attempt.run_id,
+                    "restart_count": m.attempt.restart_count,
+                    "torch_version": m.torch_version,
+                    "bytes": m.total_bytes,
+                    "membership": m.membership,
+                    "files": [
+                        {"path": f.path, "size": f.size, "crc32c": f.crc32c} for f in m.files
+                    ],
+                    "tensors": [{"name": n, "shape": s, "dtype": d} for n, s, d in tensors],
+                    "metadata": m.metadata,
+                },
+                indent=1,
+            )
+        )
+        return EXIT_OK
+    print(f"checkpoint   {info.url}")
+    print(f"step         {m.step}")
+    print(f"created_at   {m.created_at}")
+    print(
+        f"world_size   {m.world_size}  (hosts: {', '.join(sorted({str(p.get('host')) for p in m.membership}))})"
+    )
+    print(f"attempt      run {m.attempt.run_id!r}, restart {m.attempt.restart_count}")
+    print(f"torch        {m.torch_version}")
+    print(f"bytes        {human_bytes(m.total_bytes)} in {len(m.files)} files")
+    print(
+        f"tensors      {sum(1 for _, s, _ in tensors if s is not None)} tensors, "
+        f"{sum(1 for _, s, _ in tensors if s is None)} other items"
+    )
+    for name, shape, dtype in tensors[: args.limit]:
+        print(f"  {name:<60} {dtype:<9} {list(shape) if shape is not None else ''}")
+    if len(tensors) > args.limit:
+        print(f"  ... {len(tensors) - args.limit} more (use --limit)")
+    if m.metadata:
+        print("metadata     " + json.dumps(m.metadata, sort_keys=True)[:500])
+    return EXIT_OK
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
+    plan = apply_retention(Storage(args.url), policy, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    for step in plan.keep:
+        print(f"keep          step {step:>10}  ({plan.reasons.get(step, '')})")
+    for step in plan.delete:
+        print(f"{verb:<13} step {step:>10}  ({plan.reasons.get(step, '')})")
+    for step in plan.delete_partial:
+        print(f"{verb:<13} step {step:>10}  ({plan.reasons.get(step, '')})")
+    print(
+        f"{len(plan.keep)} kept, {len(plan.delete) + len(plan.delete_partial)} {verb}"
+        + (" (dry run: nothing was deleted)" if args.dry_run else "")
+    )
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ckpt",
+        description="Inspect and maintain checkpoints written by ckpt.save. URL is a checkpoint "
+        "root (local path, file://, memory://, gs://bucket/prefix) or one checkpoint directory.",
+        epilog="Exit codes: 0 ok, 1 verification failed / nothing committed, 2 error.",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log storage retries and details"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("ls", help="committed and partial checkpoints, newest first")
+    p.add_argument("url")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser(
+        "verify", help="exit 0 if the newest (or given) checkpoint verifies, 1 if not"
+    )
+    p.add_argument("url")
+    p.add_argument("--step", type=int, help="verify this step instead of the newest committed")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="read every file and check its crc32c (default: sizes and object crc32c only)",
+    )
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("inspect", help="manifest summary: step, world size, bytes, tensors")
+    p.add_argument("url")
+    p.add_argument("--step", type=int, help="inspect this step instead of the newest committed")
+    p.add_argument("--limit", type=int, default=40, help="tensors to list (default 40)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("gc", help="delete old checkpoints: keep the newest K and every N-th step")
+    p.add_argument("url")
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        required=True,
+        metavar="K",
+        help="keep the newest K committed (>= 1)",
+    )
+    p.add_argument(
+        "--keep-every", type=int, metavar="N", help="also keep steps that are multiples of N"
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
+    p.set_defaults(func=cmd_gc)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except CheckpointNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except (CheckpointError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR

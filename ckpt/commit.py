@@ -1,0 +1,304 @@
+"""Save protocol: shards durable -> DCP metadata -> manifest.json -> COMPLETE.
+
+Called by every rank (collective over the checkpoint group when a process group
+is initialized). In order:
+
+1. every rank: report its run id, restart count and host; the job-wide restart
+   count is the maximum (torchrun counts restarts per agent);
+2. coordinator: refuse to overwrite a committed checkpoint, fence against newer
+   attempts, and clear a partial directory left by a dead attempt at this step;
+3. every rank: ``dcp.save`` through :class:`~ckpt.writer.ShardWriter` (each rank's
+   shard file is flushed, fsynced, closed and size-checked; the coordinator then
+   writes ``.metadata``);
+4. coordinator: gather every rank's files and item checksums, write
+   ``manifest.json``, check the fence again, write ``COMPLETE`` last.
+
+Any failure on any rank fails the save on every rank with the same error and
+leaves no COMPLETE, so the previous committed checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from ckpt import async_save as _async
+from ckpt import faults
+from ckpt.checksum import crc32c_of
+from ckpt.discovery import find_latest_committed, inspect_dir
+from ckpt.dist import Collective
+from ckpt.dist import quiet_single_process as _quiet_single_process
+from ckpt.errors import CheckpointError, CheckpointExistsError, FencedError, SaveFailedError
+from ckpt.layout import COMPLETE_NAME, MANIFEST_NAME, checkpoint_dirname
+from ckpt.manifest import Attempt, CompleteMarker, FileEntry, Manifest
+from ckpt.retention import RetentionPolicy, apply_retention
+from ckpt.storage import Storage, StorageOptions
+from ckpt.writer import ShardWriter
+
+logger = logging.getLogger(__name__)
+
+ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
+ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+EventSink = Callable[[dict[str, Any]], None]
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _local_identity() -> dict[str, Any]:
+    try:
+        restart_count = int(os.environ.get(ENV_RESTART_COUNT, "0") or 0)
+    except ValueError:
+        restart_count = 0
+    return {
+        "run_id": os.environ.get(ENV_RUN_ID, "local"),
+        "restart_count": restart_count,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+
+
+def save(
+    state: dict[str, Any],
+    root: str,
+    step: int,
+    *,
+    metadata: dict[str, Any] | None = None,
+    process_group: Any = None,
+    on_event: EventSink | None = None,
+    storage_options: StorageOptions | None = None,
+    retention: RetentionPolicy | None = None,
+    async_save: bool = False,
+) -> str | _async.PendingSave:
+    """Write and commit ``root/checkpoint_{step:07d}/``; return its URL.
+
+    Collective: every rank calls it with its own ``state`` (a dict of state dicts:
+    DTensor/FSDP2 shards from ``get_state_dict``, plain tensors, Python scalars).
+    ``metadata`` (JSON-serializable; the coordinator's copy is kept) is stored in
+    the manifest and returned by :func:`ckpt.load`. With ``retention``, the
+    coordinator applies it in a background thread after the commit.
+
+    With ``async_save=True`` it returns a :class:`~ckpt.async_save.PendingSave`
+    (``.wait()`` gives the URL) as soon as ``state`` is staged in host memory: the
+    caller may change its tensors right away, and the upload and commit run on a
+    background thread, whose collectives use only the checkpoint gloo group. At most
+    one save is in flight: every save (async or not) first waits for the previous
+    one, and raises its error if it failed and nobody saw that error through
+    ``PendingSave.wait()``. ``on_event`` is then called from the background thread.
+    Call :func:`ckpt.close` (or :func:`ckpt.wait_pending`) before destroying the
+    process group or exiting.
+
+    Raises :class:`~ckpt.errors.CheckpointExistsError` if the step is already
+    committed, :class:`~ckpt.errors.FencedError` if a newer attempt committed,
+    :class:`~ckpt.errors.SaveFailedError` (or a storage error) if any rank failed;
+    in every case on every rank, and with no COMPLETE written (for an async save:
+    at ``wait()``, at the next save, or at ``close()``).
+    """
+    if not isinstance(root, str):
+        raise TypeError(f"root must be a str URL, got {type(root).__name__}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    _async.wait_for_previous(step)
+    started = time.monotonic()
+    # In the caller's thread: creating the checkpoint group is itself a collective,
+    # which must not race with training collectives from a background thread.
+    coll = Collective(process_group)
+    storage = Storage(root, storage_options)
+    url = storage.child(checkpoint_dirname(step)).root_url
+    # An async save's metadata is read later: copy it before the caller can change it.
+    meta = copy.deepcopy(metadata) if async_save else metadata
+
+    def run(staged: dict[str, Any], blocking_s: float | None) -> str:
+        return _save_staged(
+            staged,
+            coll=coll,
+            storage=storage,
+            step=step,
+            metadata=meta,
+            on_event=on_event,
+            retention=retention,
+            started=started,
+            blocking_s=blocking_s,
+        )
+
+    if not async_save:
+        return run(state, None)
+    return _async.submit(state, run, step=step, url=url, started=started)
+
+
+def _save_staged(
+    state: dict[str, Any],
+    *,
+    coll: Collective,
+    storage: Storage,
+    step: int,
+    metadata: dict[str, Any] | None,
+    on_event: EventSink | None,
+    retention: RetentionPolicy | None,
+    started: float,
+    blocking_s: float | None,
+) -> str:
+    """The save protocol (module docstring) on ``state``; on the caller's or the save thread."""
+    faults.set_rank(coll.rank)
+    dirname = checkpoint_dirname(step)
+    ckpt_dir = storage.child(dirname)
+    url = ckpt_dir.root_url
+
+    peers = coll.all_gather(_local_identity())
+    attempt = Attempt(
+        run_id=str(peers[0]["run_id"]),
+        restart_count=max(int(p["restart_count"]) for p in peers),
+        save_id=coll.broadcast(uuid.uuid4().hex),
+    )
+
+    coll.on_coordinator(f"preparing {url}", lambda: _prepare(storage, dirname, attempt))
+
+    writer = ShardWriter(ckpt_dir)
+    writer.save_id = attempt.save_id
+    try:
+        with _quiet_single_process():
+            dcp.save(
+                state,
+                storage_writer=writer,
+                planner=DefaultSavePlanner(),
+                process_group=coll.group,
+                no_dist=not coll.distributed,
+            )
+    except CheckpointException as exc:
+        raise SaveFailedError(f"saving step {step} to {url} failed: {_summarize(exc)}") from None
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a peer died mid-collective, a storage error without a wrapper...
+        raise SaveFailedError(
+            f"saving step {step} to {url} failed on rank {coll.rank}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+    local_files = (
+        [(r.path, r.size, r.crc32c) for r in writer.records],
+        writer.chunks,
+    )
+    gathered = coll.all_gather(local_files)
+
+    def commit() -> int:
+        manifest = Manifest(
+            step=step,
+            created_at=_utc_now(),
+            world_size=coll.world_size,
+            attempt=attempt,
+            membership=[
+                {"rank": r, "host": p["host"], "pid": p["pid"]} for r, p in enumerate(peers)
+            ],
+            torch_version=torch.__version__,
+            files=sorted(
+                (FileEntry(path=p, size=s, crc32c=c) for files, _ in gathered for p, s, c in files),
+                key=lambda e: e.path,
+            ),
+            chunks={path: items for _, chunks in gathered for path, items in chunks.items()},
+            metadata=dict(metadata or {}),
+        )
+        manifest_bytes = manifest.to_bytes()
+        ckpt_dir.write_bytes(MANIFEST_NAME, manifest_bytes, phase="manifest")
+        _check_fence(storage, attempt, step)
+        marker = CompleteMarker(
+            step=step,
+            attempt=attempt,
+            manifest_crc32c=crc32c_of(manifest_bytes),
+            committed_at=_utc_now(),
+        )
+        ckpt_dir.write_bytes(COMPLETE_NAME, marker.to_bytes(), phase="complete")
+        ckpt_dir.sync_dir()
+        storage.sync_dir()
+        return manifest.total_bytes
+
+    total_bytes = coll.on_coordinator(f"committing {url}", commit)
+    duration = time.monotonic() - started
+    if coll.is_coordinator:
+        logger.info(
+            "ckpt: committed step %d to %s (%d bytes, %.2f s)", step, url, total_bytes, duration
+        )
+    if on_event is not None:
+        on_event(
+            {
+                "event": "ckpt_saved",
+                "step": step,
+                "url": url,
+                "bytes": total_bytes,
+                "duration_s": round(duration, 4),
+                "blocking_s": round(duration if blocking_s is None else blocking_s, 4),
+                "async": blocking_s is not None,
+                "world_size": coll.world_size,
+                "restart_count": attempt.restart_count,
+            }
+        )
+    if retention is not None and coll.is_coordinator:
+        threading.Thread(
+            target=_retention_in_background,
+            args=(storage, retention),
+            name="ckpt-retention",
+            daemon=True,
+        ).start()
+    return url
+
+
+def _prepare(storage: Storage, dirname: str, attempt: Attempt) -> None:
+    """Coordinator: refuse to overwrite a commit, fence, clear a dead attempt's leftovers."""
+    existing = storage.child(dirname).list_files()
+    if COMPLETE_NAME in existing:
+        info = inspect_dir(storage, dirname)
+        if info.committed:
+            raise CheckpointExistsError(
+                f"{info.url} is already committed (by attempt {info.marker.attempt.restart_count} "
+                f"of run {info.marker.attempt.run_id!r}); committed checkpoints are never "
+                "overwritten. Resume from it, or save under another step or root."
+            )
+    step = int(dirname.rsplit("_", 1)[-1])
+    _check_fence(storage, attempt, step)
+    if existing:
+        logger.warning(
+            "ckpt: removing %d files of an uncommitted save at %s (a dead attempt's leftovers)",
+            len(existing),
+            storage.url(dirname),
+        )
+        storage.remove_tree(dirname)
+
+
+def _check_fence(storage: Storage, attempt: Attempt, step: int) -> None:
+    latest = find_latest_committed(storage)
+    if latest is None or latest.marker is None:
+        return
+    newer = latest.marker.attempt
+    if newer.run_id == attempt.run_id and newer.restart_count > attempt.restart_count:
+        raise FencedError(
+            f"{storage.url()}: step {latest.step} was committed by attempt {newer.restart_count}, "
+            f"newer than this writer's attempt {attempt.restart_count}; this process belongs to "
+            f"an older attempt and must not commit step {step}"
+        )
+
+
+def _summarize(exc: CheckpointException) -> str:
+    parts = []
+    for rank, (err, _trace) in sorted(exc.failures.items()):
+        parts.append(f"rank {rank}: {type(err).__name__}: {err}")
+    return "; ".join(parts) or str(exc)
+
+
+def _retention_in_background(storage: Storage, policy: RetentionPolicy) -> None:
+    try:
+        apply_retention(storage, policy)
+    except Exception:
+        logger.exception("ckpt: retention under %s failed (checkpoints were kept)", storage.url())

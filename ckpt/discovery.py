@@ -1,0 +1,144 @@
+"""Discovery: which checkpoints exist under a root, and which of them are committed.
+
+A directory counts as committed only if its COMPLETE marker parses, names the
+directory's step, and vouches for the exact bytes of its manifest.json (crc32c).
+Everything else is *partial*: invisible to resume and retention counting, shown
+as such by ``python -m ckpt ls``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ckpt.errors import CorruptCheckpointError, ObjectNotFoundError
+from ckpt.layout import COMPLETE_NAME, MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname
+from ckpt.manifest import CompleteMarker, Manifest
+from ckpt.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+COMMITTED = "committed"
+PARTIAL = "partial"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointInfo:
+    """One checkpoint directory under a root, as discovery sees it."""
+
+    step: int
+    url: str
+    dirname: str
+    status: str
+    reason: str = ""
+    marker: CompleteMarker | None = None
+    manifest: Manifest | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.status == COMMITTED
+
+
+def as_storage(root: str | Storage) -> Storage:
+    return root if isinstance(root, Storage) else Storage(root)
+
+
+def inspect_dir(storage: Storage, dirname: str) -> CheckpointInfo:
+    """Classify one checkpoint directory (reads COMPLETE and manifest.json)."""
+    step = parse_checkpoint_dirname(dirname)
+    if step is None:
+        raise ValueError(f"{storage.url(dirname)} is not a checkpoint directory name")
+    url = storage.url(dirname)
+
+    def partial(reason: str, marker: CompleteMarker | None = None) -> CheckpointInfo:
+        return CheckpointInfo(
+            step=step, url=url, dirname=dirname, status=PARTIAL, reason=reason, marker=marker
+        )
+
+    try:
+        raw_marker = storage.read_bytes(f"{dirname}/{COMPLETE_NAME}")
+    except ObjectNotFoundError:
+        return partial("no COMPLETE marker (save interrupted or in progress)")
+    try:
+        marker = CompleteMarker.from_bytes(raw_marker, url=url)
+    except CorruptCheckpointError as exc:
+        return partial(str(exc))
+    if marker.step != step:
+        return partial(f"COMPLETE names step {marker.step}, directory is step {step}", marker)
+    try:
+        raw_manifest = storage.read_bytes(f"{dirname}/{MANIFEST_NAME}")
+    except ObjectNotFoundError:
+        return partial("COMPLETE present but manifest.json is missing", marker)
+    if not marker.vouches_for(raw_manifest):
+        return partial("COMPLETE does not match manifest.json (crc32c differs)", marker)
+    try:
+        manifest = Manifest.from_bytes(raw_manifest, url=url)
+    except CorruptCheckpointError as exc:
+        return partial(str(exc), marker)
+    if manifest.step != step:
+        return partial(f"manifest names step {manifest.step}, directory is step {step}", marker)
+    return CheckpointInfo(
+        step=step, url=url, dirname=dirname, status=COMMITTED, marker=marker, manifest=manifest
+    )
+
+
+def list_checkpoints(root: str | Storage) -> list[CheckpointInfo]:
+    """Every checkpoint directory under ``root``, committed and partial, newest first."""
+    storage = as_storage(root)
+    dirs = sorted(
+        (
+            (step, name)
+            for name, _ in storage.list_dir()
+            if (step := parse_checkpoint_dirname(name)) is not None
+        ),
+        reverse=True,
+    )
+    return [inspect_dir(storage, name) for _, name in dirs]
+
+
+def committed_checkpoints(root: str | Storage) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``root``, newest first."""
+    return [info for info in list_checkpoints(root) if info.committed]
+
+
+def find_latest_committed(root: str | Storage) -> CheckpointInfo | None:
+    """The newest committed checkpoint under ``root``, or None.
+
+    Walks directories newest first and stops at the first committed one, so it
+    reads only what it must.
+    """
+    storage = as_storage(root)
+    steps = sorted(
+        (s for name, _ in storage.list_dir() if (s := parse_checkpoint_dirname(name)) is not None),
+        reverse=True,
+    )
+    for step in steps:
+        info = inspect_dir(storage, checkpoint_dirname(step))
+        if info.committed:
+            return info
+        logger.debug("ckpt: skipping %s: %s", info.url, info.reason)
+    return None
+
+
+def resolve(url: str, step: int | None = None) -> tuple[Storage, CheckpointInfo]:
+    """Resolve a root URL (+ optional step) or a checkpoint directory URL to one checkpoint.
+
+    Without a step, a root resolves to its newest committed checkpoint.
+    """
+    stripped = url.rstrip("/")
+    dir_step = parse_checkpoint_dirname(stripped)
+    if dir_step is not None and "/" in stripped:
+        parent, dirname = stripped.rsplit("/", 1)
+        if step is not None and step != dir_step:
+            raise ValueError(f"{url} is the checkpoint of step {dir_step}, not step {step}")
+        storage = Storage(parent or "/")
+        return storage, inspect_dir(storage, dirname)
+    storage = Storage(url)
+    if step is not None:
+        return storage, inspect_dir(storage, checkpoint_dirname(step))
+    latest = find_latest_committed(storage)
+    if latest is None:
+        from ckpt.errors import CheckpointNotFoundError
+
+        raise CheckpointNotFoundError(f"no committed checkpoint under {url}")
+    return storage, latest

@@ -1,0 +1,71 @@
+"""Exception types raised by :mod:`ckpt`.
+
+Every message names the URL (and where it matters the step, file and rank) and
+says what to do. Catch :class:`CheckpointError` to handle any of them.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by the checkpoint library."""
+
+
+class StorageError(CheckpointError):
+    """A storage call failed (after retries, when the failure was transient)."""
+
+
+class StoragePermanentError(StorageError):
+    """A storage call failed in a way that retrying cannot fix (403, missing bucket...)."""
+
+
+class StorageTimeoutError(StorageError, TimeoutError):
+    """A storage call did not finish within its timeout."""
+
+
+class WriteVerificationError(StorageError):
+    """A written object's size or crc32c differs from what was streamed to it (retried)."""
+
+
+class ObjectNotFoundError(StoragePermanentError, FileNotFoundError):
+    """The object or directory does not exist."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint failed verification: a file is missing, truncated or has a bad crc32c."""
+
+    def __init__(self, message: str, *, url: str = "", path: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+        self.path = path
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No committed checkpoint exists where one was required."""
+
+
+class NoLoadableCheckpointError(CheckpointError):
+    """Committed checkpoints exist, but every one failed verification or loading."""
+
+    def __init__(self, message: str, reasons: list[tuple[int, str]]) -> None:
+        super().__init__(message)
+        self.reasons = reasons
+
+
+class StateMismatchError(CheckpointError):
+    """The state to load does not match the checkpoint (missing key, other shape).
+
+    Falling back to an older checkpoint cannot fix this, so load raises it at once.
+    """
+
+
+class CheckpointExistsError(CheckpointError):
+    """A committed checkpoint already exists at this step; committed checkpoints are immutable."""
+
+
+class FencedError(CheckpointError):
+    """A writer of an older attempt tried to commit over a newer attempt's checkpoint."""
+
+
+class SaveFailedError(CheckpointError):
+    """A collective save failed on at least one rank; nothing was committed."""

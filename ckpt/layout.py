@@ -1,0 +1,48 @@
+"""Names and URL arithmetic of the checkpoint layout (the contract in DESIGN.md).
+
+    <root>/checkpoint_0000100/{.metadata, rank_00000.distcp, ..., manifest.json, COMPLETE}
+
+Paths are plain strings joined with ``/`` so that ``gs://`` and ``memory://`` URLs
+survive untouched (``pathlib`` would mangle them).
+"""
+
+from __future__ import annotations
+
+import re
+
+CHECKPOINT_PREFIX = "checkpoint_"
+STEP_DIGITS = 7
+MANIFEST_NAME = "manifest.json"
+COMPLETE_NAME = "COMPLETE"
+DCP_METADATA_NAME = ".metadata"
+SHARD_SUFFIX = ".distcp"
+
+_CHECKPOINT_DIR_RE = re.compile(r"^checkpoint_(\d{7,})$")
+
+
+def checkpoint_dirname(step: int) -> str:
+    """Directory name of the checkpoint of ``step``: ``checkpoint_0000100``."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"{CHECKPOINT_PREFIX}{step:0{STEP_DIGITS}d}"
+
+
+def parse_checkpoint_dirname(name: str) -> int | None:
+    """The step of a checkpoint directory name, or None if ``name`` is not one."""
+    match = _CHECKPOINT_DIR_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+def shard_filename(rank: int) -> str:
+    """File holding the shards written by ``rank``: ``rank_00000.distcp``."""
+    return f"rank_{rank:05d}{SHARD_SUFFIX}"
+
+
+def join_url(base: str, *parts: str) -> str:
+    """Join URL segments with single slashes, keeping the scheme of ``base`` intact."""
+    out = base.rstrip("/") if base not in ("/", "") else base
+    for part in parts:
+        part = part.strip("/")
+        if part:
+            out = f"{out}/{part}" if out not in ("", "/") else f"{out}{part}"
+    return out

@@ -1,0 +1,234 @@
+"""Load protocol: newest committed checkpoint that verifies and loads, else the one before.
+
+Called by every rank (collective). For each candidate, newest first:
+
+1. coordinator: read COMPLETE and manifest.json, fast-verify the files (sizes,
+   and object crc32c where the backend reports it); broadcast the manifest or why
+   the candidate is rejected;
+2. every rank: ``dcp.load`` in place through :class:`~ckpt.reader.ShardReader`,
+   which checks each item's crc32c before using it; DCP reshards to any world size.
+
+A candidate that fails is reported (log + ``ckpt_fallback`` event naming the file
+and the reason) and the previous committed checkpoint is tried. If committed
+checkpoints exist but none loads, :class:`~ckpt.errors.NoLoadableCheckpointError`
+is raised: nothing ever silently starts from scratch. A mismatch between the
+state and the checkpoint (missing key, other shape) is the caller's problem, not
+the checkpoint's, and is raised at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckpt import faults
+from ckpt.commit import EventSink
+from ckpt.discovery import CheckpointInfo, inspect_dir, list_checkpoints
+from ckpt.dist import Collective
+from ckpt.dist import quiet_single_process as _quiet_single_process
+from ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NoLoadableCheckpointError,
+    StateMismatchError,
+)
+from ckpt.layout import checkpoint_dirname
+from ckpt.manifest import Manifest
+from ckpt.reader import SafeLoadPlanner, ShardReader
+from ckpt.storage import Storage, StorageOptions
+from ckpt.verify import verify_dir
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, kw_only=True)
+class SkippedCheckpoint:
+    """A committed checkpoint that load passed over, and why."""
+
+    step: int
+    url: str
+    reason: str
+    path: str = ""
+
+
+@dataclass(slots=True, kw_only=True)
+class LoadResult:
+    """What :func:`load` loaded."""
+
+    step: int
+    url: str
+    metadata: dict[str, Any]
+    manifest: Manifest
+    bytes_read: int
+    duration_s: float
+    skipped: list[SkippedCheckpoint] = field(default_factory=list)
+
+
+def load(
+    state: dict[str, Any],
+    root: str,
+    *,
+    step: int | None = None,
+    process_group: Any = None,
+    missing_ok: bool = False,
+    on_event: EventSink | None = None,
+    storage_options: StorageOptions | None = None,
+) -> LoadResult | None:
+    """Load ``state`` in place from the newest committed checkpoint under ``root``.
+
+    Collective. With ``step``, only that checkpoint is tried (no fallback). With
+    ``missing_ok``, returns None when ``root`` holds no committed checkpoint at all;
+    otherwise raises :class:`~ckpt.errors.CheckpointNotFoundError`.
+    """
+    if not isinstance(root, str):
+        raise TypeError(f"root must be a str URL, got {type(root).__name__}")
+    started = time.monotonic()
+    coll = Collective(process_group)
+    faults.set_rank(coll.rank)
+    storage = Storage(root, storage_options)
+
+    def discover() -> tuple[list[int], list[int]]:
+        if step is not None:
+            return [step], []
+        infos = list_checkpoints(storage)
+        return [i.step for i in infos if i.committed], [i.step for i in infos if not i.committed]
+
+    candidates, partial = coll.on_coordinator(f"listing {root}", discover)
+    if not candidates:
+        if partial:
+            logger.warning(
+                "ckpt: %s holds %d partial checkpoint(s) (steps %s) and no committed one",
+                root,
+                len(partial),
+                partial[:5],
+            )
+        if missing_ok:
+            return None
+        raise CheckpointNotFoundError(f"no committed checkpoint under {root}")
+
+    skipped: list[SkippedCheckpoint] = []
+    for candidate in candidates:
+        dirname = checkpoint_dirname(candidate)
+        ckpt_dir = storage.child(dirname)
+        try:
+            manifest = coll.on_coordinator(
+                f"verifying {ckpt_dir.root_url}", lambda d=dirname: _verified_manifest(storage, d)
+            )
+            reader = ShardReader(ckpt_dir, manifest)
+            _dcp_load(state, reader, coll)
+        except StateMismatchError:
+            raise
+        except CheckpointError as exc:
+            if step is not None:
+                raise
+            reason = str(exc)
+            skip = SkippedCheckpoint(
+                step=candidate, url=ckpt_dir.root_url, reason=reason, path=getattr(exc, "path", "")
+            )
+            skipped.append(skip)
+            if coll.is_coordinator:
+                logger.error(
+                    "ckpt: cannot use checkpoint %s: %s; falling back to the previous one",
+                    skip.url,
+                    reason,
+                )
+            if on_event is not None:
+                on_event(
+                    {
+                        "event": "ckpt_fallback",
+                        "step": skip.step,
+                        "url": skip.url,
+                        "path": skip.path,
+                        "reason": reason,
+                    }
+                )
+            continue
+        duration = time.monotonic() - started
+        bytes_read = reader.bytes_read
+        if coll.is_coordinator:
+            logger.info(
+                "ckpt: loaded step %d from %s (world size %d -> %d, %.2f s)",
+                candidate,
+                ckpt_dir.root_url,
+                manifest.world_size,
+                coll.world_size,
+                duration,
+            )
+        if on_event is not None:
+            on_event(
+                {
+                    "event": "ckpt_loaded",
+                    "step": candidate,
+                    "url": ckpt_dir.root_url,
+                    "bytes": bytes_read,
+                    "duration_s": round(duration, 4),
+                    "saved_world_size": manifest.world_size,
+                    "world_size": coll.world_size,
+                }
+            )
+        return LoadResult(
+            step=candidate,
+            url=ckpt_dir.root_url,
+            metadata=dict(manifest.metadata),
+            manifest=manifest,
+            bytes_read=bytes_read,
+            duration_s=duration,
+            skipped=skipped,
+        )
+    reasons = [(s.step, s.reason) for s in skipped]
+    listing = "; ".join(f"step {s}: {r}" for s, r in reasons)
+    raise NoLoadableCheckpointError(
+        f"{root} has {len(candidates)} committed checkpoint(s) but none could be loaded "
+        f"({listing}). Nothing was started from scratch; inspect them with "
+        f"`python -m ckpt verify --deep {root}`.",
+        reasons,
+    )
+
+
+def _verified_manifest(storage: Storage, dirname: str) -> Manifest:
+    info: CheckpointInfo = inspect_dir(storage, dirname)
+    if not info.committed or info.manifest is None:
+        raise CorruptCheckpointError(f"{info.url} is not committed: {info.reason}", url=info.url)
+    verify_dir(storage.child(dirname), info.manifest).raise_if_bad()
+    return info.manifest
+
+
+def _dcp_load(state: dict[str, Any], reader: ShardReader, coll: Collective) -> None:
+    try:
+        with _quiet_single_process():
+            dcp.load(
+                state,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+                process_group=coll.group,
+                no_dist=not coll.distributed,
+            )
+    except CheckpointException as exc:
+        errors = [err for err, _ in exc.failures.values()]
+        for err in errors:
+            if isinstance(err, StateMismatchError):
+                raise StateMismatchError(str(err)) from None
+        # The first error that names a file wins; any failure rejects this checkpoint.
+        first = next((e for e in errors if getattr(e, "path", "")), errors[0] if errors else exc)
+        message = (
+            str(first)
+            if isinstance(first, CheckpointError)
+            else (f"{reader.ckpt_dir.root_url}: loading failed: {type(first).__name__}: {first}")
+        )
+        raise CorruptCheckpointError(
+            message, url=reader.ckpt_dir.root_url, path=getattr(first, "path", "")
+        ) from None
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(
+            f"{reader.ckpt_dir.root_url}: loading failed on rank {coll.rank}: "
+            f"{type(exc).__name__}: {exc}",
+            url=reader.ckpt_dir.root_url,
+        ) from exc

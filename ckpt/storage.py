@@ -1,0 +1,492 @@
+"""Storage layer: every byte of a checkpoint goes through fsspec, here.
+
+A :class:`Storage` is rooted at a URL (local path, ``file://``, ``memory://``,
+``gs://bucket/prefix``) and addresses objects by a relative key. Every call has a
+timeout; transient failures (HTTP 408/429/5xx, timeouts, connection resets, a
+write whose size or crc32c does not match what was streamed) are retried with
+exponential backoff and jitter, bounded in attempts and total time; permanent ones
+(403, missing bucket or object, bad credentials) fail at once with a message that
+names the URL.
+
+Writes stream through a :class:`~ckpt.checksum.ChecksummingWriter`, are flushed,
+fsynced where the backend has a file descriptor, closed, and then checked: the
+object's size (and on GCS its crc32c) must equal what was streamed.
+
+Environment (read when :meth:`StorageOptions.from_env` is called; explicit
+arguments win over the environment, which wins over the defaults):
+
+- ``CKPT_STORAGE_TIMEOUT_S``: timeout of one storage call (default 300)
+- ``CKPT_STORAGE_RETRIES``: attempts per call, first one included (default 6)
+- ``CKPT_STORAGE_RETRY_TOTAL_S``: give up retrying after this long (default 120)
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import fsspec
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from ckpt import faults
+from ckpt.checksum import ChecksummingWriter, crc32c_of_chunks
+from ckpt.errors import (
+    ObjectNotFoundError,
+    StorageError,
+    StoragePermanentError,
+    StorageTimeoutError,
+    WriteVerificationError,
+)
+from ckpt.layout import join_url
+
+logger = logging.getLogger(__name__)
+
+ENV_TIMEOUT_S = "CKPT_STORAGE_TIMEOUT_S"
+ENV_RETRIES = "CKPT_STORAGE_RETRIES"
+ENV_RETRY_TOTAL_S = "CKPT_STORAGE_RETRY_TOTAL_S"
+ENV_EMULATOR_HOST = "STORAGE_EMULATOR_HOST"
+ENV_GCSFS_HNS = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
+
+_TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
+_PERMANENT_HTTP = frozenset({400, 401, 403, 404, 405, 409, 411, 412})
+_TRANSIENT_ERRNO = frozenset(
+    {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE}
+)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StorageOptions:
+    """How storage calls are bounded and retried."""
+
+    timeout_s: float = 300.0
+    """Timeout of one storage call (one object write, read, list or delete)."""
+    retry_attempts: int = 6
+    """Attempts per call for transient errors, the first one included."""
+    retry_total_s: float = 120.0
+    """Stop retrying once this much time has passed since the first attempt."""
+    backoff_initial_s: float = 0.2
+    """Scale of the exponential backoff (jittered)."""
+    backoff_max_s: float = 10.0
+    """Longest wait between two attempts."""
+    fsync: bool = True
+    """fsync local files before close (durability)."""
+    fs_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the fsspec filesystem (e.g. ``token``, ``project``)."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.retry_attempts < 1:
+            raise ValueError(f"retry_attempts must be >= 1, got {self.retry_attempts}")
+        if self.retry_total_s < 0:
+            raise ValueError(f"retry_total_s must be >= 0, got {self.retry_total_s}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> StorageOptions:
+        env = dict(os.environ) if env is None else env
+        values: dict[str, Any] = {}
+        for key, name, kind in (
+            ("timeout_s", ENV_TIMEOUT_S, float),
+            ("retry_attempts", ENV_RETRIES, int),
+            ("retry_total_s", ENV_RETRY_TOTAL_S, float),
+        ):
+            if env.get(name):
+                try:
+                    values[key] = kind(env[name])
+                except ValueError:
+                    raise ValueError(
+                        f"{name}={env[name]!r} is not a valid {kind.__name__}"
+                    ) from None
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """A file as written: relative path (to the checkpoint directory), size, crc32c."""
+
+    path: str
+    size: int
+    crc32c: str
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status carried by an exception (gcsfs HttpError, aiohttp, injected), if any."""
+    for attr in ("code", "status"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int) and 100 <= value < 600:
+            return value
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the call that raised ``exc`` may succeed."""
+    if isinstance(exc, StoragePermanentError | FileNotFoundError | PermissionError):
+        return False
+    if isinstance(
+        exc, StorageTimeoutError | WriteVerificationError | TimeoutError | ConnectionError
+    ):
+        return True
+    status = http_status(exc)
+    if status is not None:
+        return status in _TRANSIENT_HTTP
+    module = type(exc).__module__ or ""
+    if module.startswith("aiohttp") or type(exc).__name__ in ("ServerDisconnectedError",):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO
+
+
+def _run_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Run ``fn`` in a daemon thread and give up waiting after ``timeout_s``.
+
+    A call that does not return is abandoned (its daemon thread cannot block the
+    process from exiting) and reported as :class:`StorageTimeoutError`.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the waiting thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"ckpt-io:{what[:40]}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise StorageTimeoutError(f"{what}: no answer within {timeout_s:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _fs_for(url: str, fs_kwargs: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    kwargs = dict(fs_kwargs)
+    if protocol in ("gs", "gcs"):
+        # gcsfs has no per-request timeout by default: a frozen server hangs a call for good.
+        kwargs.setdefault("requests_timeout", 60)
+    if protocol in ("gs", "gcs") and os.environ.get(ENV_EMULATOR_HOST):
+        # fake-gcs-server: no credentials, and no gRPC bucket-type probe (gcsfs reads
+        # the flag at import, so it must be set before the first gs:// URL is opened).
+        os.environ.setdefault(ENV_GCSFS_HNS, "false")
+        kwargs.setdefault("token", "anon")
+    return fsspec.core.url_to_fs(url, **kwargs)
+
+
+class Storage:
+    """Bounded, retried access to the objects under one root URL.
+
+    Any rank may create one; instances hold no open files between calls.
+    """
+
+    def __init__(self, root_url: str, options: StorageOptions | None = None) -> None:
+        if not isinstance(root_url, str) or not root_url:
+            raise TypeError(f"checkpoint root must be a non-empty str URL, got {root_url!r}")
+        self.root_url = root_url.rstrip("/") if root_url != "/" else root_url
+        self.options = options or StorageOptions.from_env()
+        try:
+            self.fs, self.root_path = _fs_for(self.root_url, self.options.fs_kwargs)
+        except (ImportError, ValueError) as exc:
+            raise StoragePermanentError(
+                f"cannot open storage for {self.root_url!r}: {exc}. "
+                "Check the URL scheme (local path, file://, memory://, gs://bucket/prefix)."
+            ) from exc
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self._local = "file" in protocols or "local" in protocols
+        self._has_dirs = self._local or "memory" in protocols
+
+    # -- addressing -------------------------------------------------------------------
+
+    def url(self, key: str = "") -> str:
+        """The user-facing URL of ``key`` (for messages and return values)."""
+        return join_url(self.root_url, key)
+
+    def path(self, key: str = "") -> str:
+        """The filesystem-internal path of ``key``."""
+        return join_url(self.root_path, key)
+
+    def child(self, key: str) -> Storage:
+        """A Storage rooted at ``key`` below this root, sharing options and filesystem."""
+        sub = object.__new__(Storage)
+        sub.root_url, sub.options, sub.fs = self.url(key), self.options, self.fs
+        sub.root_path, sub._local, sub._has_dirs = self.path(key), self._local, self._has_dirs
+        return sub
+
+    # -- retry machinery --------------------------------------------------------------
+
+    def _call(self, what: str, phase: str, fn: Callable[[], T]) -> T:
+        """Run one storage call with fault injection, timeout and retries."""
+        opts = self.options
+
+        def attempt() -> T:
+            fault = faults.take(phase)
+            if fault is not None and fault.kind != "truncate":
+                return _run_with_timeout(
+                    lambda: faults.raise_for(fault, what), opts.timeout_s, what
+                )
+            return _run_with_timeout(lambda: fn_with(fault), opts.timeout_s, what)
+
+        def fn_with(fault: faults.StorageFault | None) -> T:
+            if fault is not None:  # truncate: let the callee know through a thread-local
+                _truncate.active = True
+            try:
+                return fn()
+            finally:
+                _truncate.active = False
+
+        def log_retry(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            logger.warning(
+                "storage: %s failed (attempt %d/%d): %s: %s; retrying",
+                what,
+                state.attempt_number,
+                opts.retry_attempts,
+                type(exc).__name__,
+                exc,
+            )
+
+        retrying = Retrying(
+            stop=stop_after_attempt(opts.retry_attempts) | stop_after_delay(opts.retry_total_s),
+            wait=wait_random_exponential(multiplier=opts.backoff_initial_s, max=opts.backoff_max_s),
+            retry=retry_if_exception(is_transient),
+            before_sleep=log_retry,
+            reraise=True,
+        )
+        try:
+            return retrying(attempt)
+        except StorageError:
+            raise
+        except FileNotFoundError as exc:
+            raise ObjectNotFoundError(f"{what}: not found ({exc})") from exc
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            if is_transient(exc):
+                raise StorageError(
+                    f"{what}: still failing after retries ({type(exc).__name__}: {exc})"
+                ) from exc
+            if not isinstance(exc, OSError) and http_status(exc) is None:
+                raise  # a bug or a bad argument, not a storage condition
+            raise StoragePermanentError(
+                f"{what}: {type(exc).__name__}: {exc}. This is not retried: check that the "
+                "bucket or directory exists and that the credentials allow access."
+            ) from exc
+
+    # -- writes -----------------------------------------------------------------------
+
+    def write(
+        self, key: str, produce: Callable[[ChecksummingWriter], None], *, phase: str
+    ) -> FileRecord:
+        """Stream an object produced by ``produce(stream)``; durable and size-checked on return.
+
+        On a transient failure the whole object is produced again, so ``produce``
+        must be repeatable.
+        """
+        path = self.path(key)
+
+        def write_once() -> FileRecord:
+            if self._has_dirs:
+                self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            with self.fs.open(path, "wb") as raw:
+                sink = _Truncating(raw) if getattr(_truncate, "active", False) else raw
+                stream = ChecksummingWriter(sink)
+                produce(stream)
+                raw.flush()
+                if self._local and self.options.fsync:
+                    _fsync(raw)
+            self._check_written(key, stream.size, stream.crc32c)
+            return FileRecord(key, stream.size, stream.crc32c)
+
+        return self._call(f"write {self.url(key)}", phase, write_once)
+
+    def write_bytes(self, key: str, data: bytes, *, phase: str) -> FileRecord:
+        """Write a small object in one piece (JSON, markers)."""
+        return self.write(key, lambda stream: stream.write(data), phase=phase)
+
+    def _check_written(self, key: str, size: int, crc32c: str) -> None:
+        path = self.path(key)
+        self.fs.invalidate_cache(path)
+        info = self.fs.info(path)
+        if int(info.get("size", -1)) != size:
+            raise WriteVerificationError(
+                f"{self.url(key)}: wrote {size} bytes but the object has {info.get('size')}"
+            )
+        remote_crc = info.get("crc32c")
+        if remote_crc and remote_crc != crc32c:
+            raise WriteVerificationError(
+                f"{self.url(key)}: crc32c after upload is {remote_crc}, streamed {crc32c}"
+            )
+
+    def sync_dir(self, key: str = "") -> None:
+        """fsync a local directory so that new entries in it survive a power loss."""
+        if not (self._local and self.options.fsync):
+            return
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    # -- reads ------------------------------------------------------------------------
+
+    def read_bytes(self, key: str, *, phase: str = "read") -> bytes:
+        """Read a whole (small) object."""
+        path = self.path(key)
+        return self._call(f"read {self.url(key)}", phase, lambda: self.fs.cat_file(path))
+
+    def read_range(self, key: str, start: int, end: int, *, phase: str = "read") -> bytes:
+        """Read bytes ``[start, end)`` with an explicit ranged request (no prefetching cache)."""
+        path = self.path(key)
+
+        def read_once() -> bytes:
+            data = self.fs.cat_file(path, start=start, end=end)
+            if len(data) != end - start:
+                raise WriteVerificationError(
+                    f"{self.url(key)}: short read, asked bytes [{start}, {end}) got {len(data)}"
+                )
+            return data
+
+        return self._call(f"read {self.url(key)}[{start}:{end}]", phase, read_once)
+
+    def read_chunks(self, key: str, *, chunk_bytes: int = 16 << 20, phase: str = "read"):
+        """Yield an object's bytes in order, one bounded ranged read per chunk."""
+        size = self.size(key)
+        for start in range(0, size, chunk_bytes):
+            yield self.read_range(key, start, min(size, start + chunk_bytes), phase=phase)
+
+    def info(self, key: str) -> dict[str, Any]:
+        """Object metadata (``size``; ``crc32c`` where the backend reports one)."""
+        path = self.path(key)
+
+        def info_once() -> dict[str, Any]:
+            self.fs.invalidate_cache(path)
+            return self.fs.info(path)
+
+        return self._call(f"stat {self.url(key)}", "read", info_once)
+
+    def size(self, key: str) -> int:
+        return int(self.info(key)["size"])
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.info(key)
+        except ObjectNotFoundError:
+            return False
+        return True
+
+    def list_dir(self, key: str = "") -> list[tuple[str, bool]]:
+        """Entries directly below ``key`` as ``(name, is_dir)``; empty if it does not exist."""
+        path = self.path(key)
+
+        def ls_once() -> list[tuple[str, bool]]:
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return []
+            out = []
+            for entry in entries:
+                name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+                if entry["name"].rstrip("/") == path.rstrip("/"):
+                    continue
+                out.append((name, entry.get("type") == "directory"))
+            return out
+
+        return self._call(f"list {self.url(key)}", "read", ls_once)
+
+    def list_files(self, key: str = "") -> dict[str, dict[str, Any]]:
+        """Every file below ``key`` (recursively) as ``{relative path: info dict}``."""
+        path = self.path(key).rstrip("/")
+
+        def find_once() -> dict[str, dict[str, Any]]:
+            self.fs.invalidate_cache(path)
+            try:
+                found = self.fs.find(path, detail=True)
+            except FileNotFoundError:
+                return {}
+            return {name.removeprefix(path + "/"): meta for name, meta in found.items()}
+
+        return self._call(f"list {self.url(key)}", "read", find_once)
+
+    # -- deletes ----------------------------------------------------------------------
+
+    def remove(self, key: str) -> None:
+        """Delete one object; a missing one is fine."""
+        path = self.path(key)
+
+        def rm_once() -> None:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+        self._call(f"delete {self.url(key)}", "any", rm_once)
+
+    def remove_tree(self, key: str) -> None:
+        """Delete ``key`` and everything below it; a missing one is fine."""
+        path = self.path(key)
+
+        def rm_once() -> None:
+            try:
+                self.fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self._call(f"delete {self.url(key)}/", "any", rm_once)
+
+
+_truncate = threading.local()
+
+
+class _Truncating:
+    """Raw-stream wrapper that silently drops the second half of every write (fault ``truncate``)."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._raw.write(view[: view.nbytes // 2])
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+def _fsync(handle: Any) -> None:
+    for obj in (handle, getattr(handle, "f", None)):
+        fileno = getattr(obj, "fileno", None)
+        if fileno is None:
+            continue
+        try:
+            os.fsync(fileno())
+            return
+        except (OSError, ValueError, AttributeError, NotImplementedError):
+            continue
+        except Exception:  # io.UnsupportedOperation and friends
+            continue
+
+
+def crc32c_of_object(storage: Storage, key: str) -> tuple[int, str]:
+    """Read an object in bounded chunks and return ``(size, crc32c)`` (deep verification)."""
+    return crc32c_of_chunks(storage.read_chunks(key))

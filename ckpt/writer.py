@@ -1,0 +1,127 @@
+"""Shard writer: a torch.distributed.checkpoint ``StorageWriter`` over :class:`Storage`.
+
+Files are in DCP's own format (items written back to back with ``torch.save``,
+located by ``_StorageInfo`` in ``.metadata``), so plain ``dcp.load`` reads them;
+only the names differ (``rank_00000.distcp``). Each item's crc32c is computed as
+it streams out and kept for the manifest, so a rank that later reads only some
+items of a file (resharding) still verifies every byte it uses.
+
+DCP calls, on every rank: ``set_up_storage_writer``, ``prepare_local_plan``,
+``write_data``; on the coordinator: ``prepare_global_plan`` and ``finish`` (which
+writes ``.metadata`` after all ranks' shards are durable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckpt.checksum import ChecksummingWriter
+from ckpt.layout import DCP_METADATA_NAME, shard_filename
+from ckpt.storage import FileRecord, Storage
+
+
+class ShardWriter(StorageWriter):
+    """Writes one shard file per rank plus (coordinator) ``.metadata`` into ``ckpt_dir``.
+
+    After ``dcp.save`` returns, ``records`` holds the files this rank wrote and
+    ``chunks`` the ``[offset, length, crc32c]`` of every item in them.
+    """
+
+    def __init__(self, ckpt_dir: Storage) -> None:
+        super().__init__()
+        self.ckpt_dir = ckpt_dir
+        self.save_id = uuid.uuid4().hex
+        self.records: list[FileRecord] = []
+        self.chunks: dict[str, list[list[Any]]] = {}
+        self.is_coordinator = False
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.records = []
+        self.chunks = {}
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The index of a plan is the rank of its writer in the process group.
+        return [
+            dataclasses.replace(plan, storage_data=shard_filename(i))
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        filename = str(plan.storage_data)
+        # Small byte items first, then tensors: the order DCP's own writer uses.
+        items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        results: list[WriteResult] = []
+        chunks: list[list[Any]] = []
+
+        def produce(stream: ChecksummingWriter) -> None:
+            results.clear()
+            chunks.clear()
+            for item in items:
+                offset = stream.tell()
+                item_stream = ChecksummingWriter(stream)
+                _write_item(item_stream, item, planner.resolve_data(item))
+                length = item_stream.size
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=length,
+                        storage_data=_StorageInfo(
+                            relative_path=filename, offset=offset, length=length
+                        ),
+                    )
+                )
+                chunks.append([offset, length, item_stream.crc32c])
+
+        if items:
+            self.records.append(self.ckpt_dir.write(filename, produce, phase="shard"))
+            self.chunks[filename] = list(chunks)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(list(results))
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        metadata.storage_meta = self.storage_meta()
+        record = self.ckpt_dir.write(
+            DCP_METADATA_NAME, lambda stream: pickle.dump(metadata, stream), phase="metadata"
+        )
+        self.records.append(record)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.ckpt_dir.root_url, save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+def _write_item(stream: ChecksummingWriter, item: WriteItem, data: Any) -> None:
+    if item.type == WriteItemType.BYTE_IO:
+        stream.write(data.getbuffer())
+        return
+    tensor: torch.Tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    # torch.save writes a tensor's whole storage: a view into a larger buffer (FSDP2
+    # shards are views into padded storage) would drag the rest of that buffer along.
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    torch.save(tensor, stream)

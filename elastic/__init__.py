@@ -1,0 +1,91 @@
+"""torchrun / torch.distributed.elastic integration for the trainer.
+
+Run identity from the environment, job-wide restart count, fault injection,
+SIGTERM (preemption) handling, hang watchdog and straggler detection. Depends only on
+the standard library and torch; never imports `trainer` or `ckpt`.
+
+Names are loaded on first use (PEP 562), so that `elastic.faults`, `elastic.identity`,
+`elastic.preemption` and `elastic.watchdog` can be imported without importing torch;
+only the collectives (and the straggler monitor) need it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastic.faults import (
+        ENV_FAULTS,
+        FaultKind,
+        FaultPlan,
+        FaultSpec,
+        InjectedFault,
+        parse_fault_spec,
+    )
+    from elastic.identity import RunIdentity, job_restart_count
+    from elastic.preemption import (
+        PreemptionDecision,
+        PreemptionHandler,
+        PreemptionHandlerError,
+        agree_on_preemption,
+        decide_emergency_save,
+        grace_from_env,
+    )
+    from elastic.straggler import StragglerMonitor, find_stragglers
+    from elastic.watchdog import StallInfo, Watchdog, process_group_timeout
+
+_EXPORTS: dict[str, str] = {
+    "ENV_FAULTS": "elastic.faults",
+    "FaultKind": "elastic.faults",
+    "FaultPlan": "elastic.faults",
+    "FaultSpec": "elastic.faults",
+    "InjectedFault": "elastic.faults",
+    "parse_fault_spec": "elastic.faults",
+    "RunIdentity": "elastic.identity",
+    "job_restart_count": "elastic.identity",
+    "PreemptionDecision": "elastic.preemption",
+    "PreemptionHandler": "elastic.preemption",
+    "PreemptionHandlerError": "elastic.preemption",
+    "agree_on_preemption": "elastic.preemption",
+    "decide_emergency_save": "elastic.preemption",
+    "grace_from_env": "elastic.preemption",
+    "StragglerMonitor": "elastic.straggler",
+    "find_stragglers": "elastic.straggler",
+    "StallInfo": "elastic.watchdog",
+    "Watchdog": "elastic.watchdog",
+    "process_group_timeout": "elastic.watchdog",
+}
+
+__all__ = [
+    "ENV_FAULTS",
+    "FaultKind",
+    "FaultPlan",
+    "FaultSpec",
+    "InjectedFault",
+    "PreemptionDecision",
+    "PreemptionHandler",
+    "PreemptionHandlerError",
+    "RunIdentity",
+    "StallInfo",
+    "StragglerMonitor",
+    "Watchdog",
+    "agree_on_preemption",
+    "decide_emergency_save",
+    "find_stragglers",
+    "grace_from_env",
+    "job_restart_count",
+    "parse_fault_spec",
+    "process_group_timeout",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,0 +1,346 @@
+"""ckpt single-process behaviour: round trip, manifest, commit protocol, verify, fallback."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import pickle
+
+import fsspec
+import google_crc32c
+import pytest
+import torch
+
+import ckpt
+from ckpt import faults
+from ckpt.faults import StorageFault
+from ckpt.storage import Storage, StorageOptions
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_state(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "w": torch.randn(16, 8, generator=gen),
+            "b": torch.randn(8, generator=gen).to(torch.bfloat16),
+            "idx": torch.randint(0, 100, (5,), generator=gen),
+        },
+        "step": seed,
+        "lr": 0.5 + seed,
+        "name": f"run-{seed}",
+        "rng": torch.get_rng_state(),
+    }
+
+
+def blank_state() -> dict:
+    return {
+        "model": {
+            "w": torch.zeros(16, 8),
+            "b": torch.zeros(8, dtype=torch.bfloat16),
+            "idx": torch.zeros(5, dtype=torch.int64),
+        },
+        "step": -1,
+        "lr": 0.0,
+        "name": "",
+        "rng": torch.zeros_like(torch.get_rng_state()),
+    }
+
+
+def assert_state_equal(a: dict, b: dict) -> None:
+    for key in ("w", "b", "idx"):
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    assert (a["step"], a["lr"], a["name"]) == (b["step"], b["lr"], b["name"])
+    assert torch.equal(a["rng"], b["rng"])
+
+
+def gcs_crc(data: bytes) -> str:
+    return base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode()
+
+
+def fs_of(root: str):
+    return fsspec.core.url_to_fs(root)
+
+
+def read(root: str, rel: str) -> bytes:
+    fs, path = fs_of(root)
+    return fs.cat_file(f"{path}/{rel}")
+
+
+def write(root: str, rel: str, data: bytes) -> None:
+    fs, path = fs_of(root)
+    fs.pipe_file(f"{path}/{rel}", data)
+
+
+def test_round_trip_tensors_and_scalars(any_root):
+    state = make_state(7)
+    url = ckpt.save(state, any_root, 7, metadata={"tokens_seen": 1234, "cursor": {"samples": 99}})
+    assert url == f"{any_root}/checkpoint_0000007"
+    loaded = blank_state()
+    result = ckpt.load(loaded, any_root)
+    assert result.step == 7
+    assert result.url == url
+    assert result.metadata == {"tokens_seen": 1234, "cursor": {"samples": 99}}
+    assert result.bytes_read > 0
+    assert_state_equal(loaded, state)
+
+
+def test_manifest_and_complete_are_right(any_root):
+    state = make_state(3)
+    ckpt.save(state, any_root, 3, metadata={"note": "x"})
+    fs, path = fs_of(any_root)
+    ckpt_path = f"{path}/checkpoint_0000003"
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.find(ckpt_path))
+    assert names == sorted([".metadata", "rank_00000.distcp", "manifest.json", "COMPLETE"])
+    manifest_bytes = read(any_root, "checkpoint_0000003/manifest.json")
+    manifest = json.loads(manifest_bytes)
+    assert manifest["format_version"] == 1
+    assert manifest["step"] == 3
+    assert manifest["world_size"] == 1
+    assert manifest["torch_version"] == torch.__version__
+    assert manifest["run_id"] == "local" and manifest["restart_count"] == 0
+    assert manifest["membership"][0]["rank"] == 0 and manifest["membership"][0]["host"]
+    assert manifest["metadata"] == {"note": "x"}
+    listed = {f["path"]: f for f in manifest["files"]}
+    assert set(listed) == {".metadata", "rank_00000.distcp"}
+    for rel, entry in listed.items():
+        data = read(any_root, f"checkpoint_0000003/{rel}")
+        assert entry["size"] == len(data)
+        assert entry["crc32c"] == gcs_crc(data), rel  # recomputed independently
+    complete = json.loads(read(any_root, "checkpoint_0000003/COMPLETE"))
+    assert complete["step"] == 3
+    assert complete["manifest_crc32c"] == gcs_crc(manifest_bytes)
+    assert complete["attempt"]["save_id"] == manifest["attempt"]["save_id"]
+
+
+def test_plain_dcp_load_reads_our_local_checkpoint(tmp_root):
+    import torch.distributed.checkpoint as dcp
+
+    state = make_state(5)
+    url = ckpt.save(state, tmp_root, 5)
+    loaded = blank_state()
+    dcp.load(loaded, checkpoint_id=url)
+    assert_state_equal(loaded, state)
+
+
+@pytest.mark.parametrize("phase", ["shard", "metadata", "manifest", "complete"])
+def test_save_interrupted_before_complete_is_not_discovered(any_root, phase):
+    first = make_state(1)
+    ckpt.save(first, any_root, 1)
+    with (
+        faults.inject(StorageFault(phase=phase, kind="permanent")) as armed,
+        pytest.raises(ckpt.CheckpointError),
+    ):
+        ckpt.save(make_state(2), any_root, 2)
+    assert armed[0].fired == 1
+    infos = ckpt.list_checkpoints(any_root)
+    assert not any(i.committed and i.step == 2 for i in infos)
+    assert ckpt.find_latest_committed(any_root).step == 1
+    loaded = blank_state()
+    assert ckpt.load(loaded, any_root).step == 1
+    assert_state_equal(loaded, first)
+
+
+def _corrupt_flip(root: str, rel: str) -> None:
+    data = bytearray(read(root, rel))
+    data[len(data) // 2] ^= 0x40
+    write(root, rel, bytes(data))
+
+
+def _corrupt_truncate(root: str, rel: str) -> None:
+    write(root, rel, read(root, rel)[:-100])
+
+
+def _corrupt_delete(root: str, rel: str) -> None:
+    fs, path = fs_of(root)
+    fs.rm_file(f"{path}/{rel}")
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "rel", "deep_only"),
+    [
+        (_corrupt_flip, "rank_00000.distcp", True),
+        (_corrupt_truncate, "rank_00000.distcp", False),
+        (_corrupt_delete, ".metadata", False),
+        (_corrupt_flip, ".metadata", True),
+    ],
+    ids=["flipped-byte", "truncated-shard", "missing-metadata", "flipped-metadata"],
+)
+def test_damaged_checkpoint_fails_verify_and_load_falls_back(any_root, corrupt, rel, deep_only):
+    good = make_state(1)
+    ckpt.save(good, any_root, 1)
+    ckpt.save(make_state(2), any_root, 2)
+    corrupt(any_root, f"checkpoint_0000002/{rel}")
+
+    info = ckpt.find_latest_committed(any_root)
+    assert info.step == 2  # still committed: damage is found by verify/load, not discovery
+    storage = Storage(any_root).child(info.dirname)
+    deep = ckpt.verify_dir(storage, info.manifest, deep=True)
+    assert not deep.ok and deep.problems[0][0] == rel
+    fast = ckpt.verify_dir(storage, info.manifest, deep=False)
+    assert fast.ok is deep_only
+    with pytest.raises(ckpt.CorruptCheckpointError, match=rel.replace(".", r"\.")):
+        deep.raise_if_bad()
+
+    events: list[dict] = []
+    loaded = blank_state()
+    result = ckpt.load(loaded, any_root, on_event=events.append)
+    assert result.step == 1
+    assert_state_equal(loaded, good)
+    assert [s.step for s in result.skipped] == [2]
+    fallback = [e for e in events if e["event"] == "ckpt_fallback"]
+    assert len(fallback) == 1 and fallback[0]["step"] == 2
+    assert rel in fallback[0]["reason"]
+
+
+def test_every_checkpoint_bad_raises_instead_of_starting_over(any_root):
+    ckpt.save(make_state(1), any_root, 1)
+    _corrupt_truncate(any_root, "checkpoint_0000001/rank_00000.distcp")
+    with pytest.raises(ckpt.NoLoadableCheckpointError, match="none could be loaded") as err:
+        ckpt.load(blank_state(), any_root, missing_ok=True)
+    assert err.value.reasons[0][0] == 1
+
+
+def test_missing_root_and_missing_ok(any_root):
+    assert ckpt.load(blank_state(), any_root, missing_ok=True) is None
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="no committed checkpoint"):
+        ckpt.load(blank_state(), any_root)
+
+
+def test_load_given_step_does_not_fall_back(any_root):
+    ckpt.save(make_state(1), any_root, 1)
+    ckpt.save(make_state(2), any_root, 2)
+    loaded = blank_state()
+    assert ckpt.load(loaded, any_root, step=1).step == 1
+    assert_state_equal(loaded, make_state(1))
+    _corrupt_truncate(any_root, "checkpoint_0000002/rank_00000.distcp")
+    with pytest.raises(ckpt.CorruptCheckpointError):
+        ckpt.load(blank_state(), any_root, step=2)
+
+
+def test_shape_mismatch_names_tensor_and_both_shapes(any_root):
+    ckpt.save(make_state(1), any_root, 1)
+    wrong = blank_state()
+    wrong["model"]["w"] = torch.zeros(16, 9)
+    with pytest.raises(ckpt.StateMismatchError, match=r"model\.w.*\(16, 8\).*\(16, 9\)"):
+        ckpt.load(wrong, any_root)
+
+
+def test_committed_checkpoint_is_never_overwritten(any_root):
+    ckpt.save(make_state(1), any_root, 1)
+    with pytest.raises(ckpt.CheckpointExistsError, match="already committed"):
+        ckpt.save(make_state(9), any_root, 1)
+    loaded = blank_state()
+    ckpt.load(loaded, any_root)
+    assert_state_equal(loaded, make_state(1))
+
+
+def test_partial_leftovers_at_the_same_step_are_replaced(any_root):
+    with (
+        faults.inject(StorageFault(phase="complete", kind="permanent")),
+        pytest.raises(ckpt.CheckpointError),
+    ):
+        ckpt.save(make_state(4), any_root, 4)
+    write(any_root, "checkpoint_0000004/rank_00007.distcp", b"stale shard of a dead attempt")
+    ckpt.save(make_state(5), any_root, 4)
+    info = ckpt.find_latest_committed(any_root)
+    assert info.step == 4
+    fs, path = fs_of(any_root)
+    assert not fs.exists(f"{path}/checkpoint_0000004/rank_00007.distcp")
+
+
+def test_older_attempt_is_fenced(any_root, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    ckpt.save(make_state(1), any_root, 10)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(ckpt.FencedError, match="older attempt"):
+        ckpt.save(make_state(2), any_root, 11)
+    assert ckpt.find_latest_committed(any_root).step == 10
+
+
+@pytest.mark.parametrize("phase", ["shard", "metadata", "manifest", "complete"])
+@pytest.mark.parametrize("kind", ["http429", "http503", "timeout", "reset", "truncate"])
+def test_transient_storage_faults_are_retried_and_commit(memory_root, phase, kind):
+    opts = StorageOptions(backoff_initial_s=0.01, backoff_max_s=0.02)
+    with faults.inject(StorageFault(phase=phase, kind=kind, times=2)) as armed:
+        ckpt.save(make_state(3), memory_root, 3, storage_options=opts)
+    assert armed[0].fired == 2
+    info = ckpt.find_latest_committed(memory_root)
+    assert info.step == 3
+    report = ckpt.verify_dir(Storage(memory_root).child(info.dirname), info.manifest, deep=True)
+    assert report.ok, report.problems
+    loaded = blank_state()
+    ckpt.load(loaded, memory_root)
+    assert_state_equal(loaded, make_state(3))
+
+
+def test_hung_storage_call_times_out_and_is_retried(memory_root):
+    opts = StorageOptions(timeout_s=0.5, backoff_initial_s=0.01, backoff_max_s=0.02)
+    with faults.inject(StorageFault(phase="shard", kind="hang")) as armed:
+        ckpt.save(make_state(3), memory_root, 3, storage_options=opts)
+    assert armed[0].fired == 1
+    assert ckpt.find_latest_committed(memory_root).step == 3
+
+
+def test_permanent_fault_fails_fast_without_retrying(memory_root):
+    import time
+
+    opts = StorageOptions(backoff_initial_s=1.0, backoff_max_s=5.0)
+    started = time.monotonic()
+    with (
+        faults.inject(StorageFault(phase="shard", kind="permanent", times=5)) as armed,
+        pytest.raises(ckpt.CheckpointError, match=r"403|not retried"),
+    ):
+        ckpt.save(make_state(3), memory_root, 3, storage_options=opts)
+    assert armed[0].fired == 1  # no second attempt
+    assert time.monotonic() - started < 5
+    assert ckpt.find_latest_committed(memory_root) is None
+
+
+def test_untrusted_metadata_cannot_run_code(tmp_root):
+    ckpt.save(make_state(1), tmp_root, 1)
+    ckpt.save(make_state(2), tmp_root, 2)
+
+    class Evil:
+        def __reduce__(self):
+            return (exec, ("open('/tmp/ckpt-pwned', 'w').write('x')",))
+
+    payload = pickle.dumps(Evil())
+    manifest_path = "checkpoint_0000002/manifest.json"
+    manifest = json.loads(read(tmp_root, manifest_path))
+    for entry in manifest["files"]:  # make the forged file pass size/crc checks
+        if entry["path"] == ".metadata":
+            entry["size"], entry["crc32c"] = len(payload), gcs_crc(payload)
+    new_manifest = json.dumps(manifest).encode()
+    write(tmp_root, "checkpoint_0000002/.metadata", payload)
+    write(tmp_root, manifest_path, new_manifest)
+    complete = json.loads(read(tmp_root, "checkpoint_0000002/COMPLETE"))
+    complete["manifest_crc32c"] = gcs_crc(new_manifest)
+    write(tmp_root, "checkpoint_0000002/COMPLETE", json.dumps(complete).encode())
+
+    import os
+
+    if os.path.exists("/tmp/ckpt-pwned"):
+        os.unlink("/tmp/ckpt-pwned")
+    result = ckpt.load(blank_state(), tmp_root)
+    assert result.step == 1
+    assert "not DCP metadata" in result.skipped[0].reason or "refusing" in result.skipped[0].reason
+    assert not os.path.exists("/tmp/ckpt-pwned")
+
+
+def test_storage_rejects_non_string_roots(tmp_path):
+    with pytest.raises(TypeError, match="str URL"):
+        ckpt.save(make_state(1), tmp_path, 1)  # a pathlib.Path, not a str
+
+
+def test_chunk_checksums_cover_every_byte_of_each_shard(tmp_root):
+    ckpt.save(make_state(2), tmp_root, 2)
+    manifest = ckpt.find_latest_committed(tmp_root).manifest
+    data = read(tmp_root, "checkpoint_0000002/rank_00000.distcp")
+    chunks = manifest.chunks["rank_00000.distcp"]
+    assert sum(length for _, length, _ in chunks) == len(data)
+    for offset, length, crc in chunks:
+        assert gcs_crc(data[offset : offset + length]) == crc
+    assert io.BytesIO(data).read(2) == b"PK" or chunks[0][1] > 0

@@ -1,0 +1,162 @@
+"""Watchdog: a process that stops beating is dumped and ended; one that beats is not."""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic.watchdog import Watchdog, process_group_timeout
+
+PROCESS_TIMEOUT_S = 30
+STALL_EXIT_CODE = 42
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def _run_child(body: str, dump_dir: Path) -> subprocess.CompletedProcess[str]:
+    code = textwrap.dedent(
+        """
+        import sys, time
+        from elastic.watchdog import Watchdog
+        dump_dir = sys.argv[1]
+        """
+    ) + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", code, str(dump_dir)],
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT_S,
+        cwd=dump_dir.parent,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT, "RANK": "3", "WORLD_SIZE": "4"},
+    )
+
+
+@pytest.mark.timeout(60)
+def test_stalled_process_dumps_stacks_and_exits(tmp_path: Path) -> None:
+    dump_dir = tmp_path / "dumps"
+    body = f"""
+    import logging
+    logging.basicConfig(level=logging.ERROR)
+    def on_stall(info):
+        print("on_stall", info.step, info.rank, info.dump_path, flush=True)
+    watchdog = Watchdog(0.5, dump_dir, exit_code={STALL_EXIT_CODE}, on_stall=on_stall)
+    for step in range(5):
+        time.sleep(0.05)
+        watchdog.beat(step)
+    def stalled_inside_data_loader():
+        time.sleep(60)
+    stalled_inside_data_loader()
+    print("not reached", flush=True)
+    """
+    started = time.monotonic()
+    result = _run_child(body, dump_dir)
+    elapsed = time.monotonic() - started
+    assert result.returncode == STALL_EXIT_CODE, result.stderr
+    assert elapsed < 20
+    assert "not reached" not in result.stdout
+    dumps = glob.glob(str(dump_dir / "stacks_rank3_pid*_*.txt"))
+    assert len(dumps) == 1
+    text = Path(dumps[0]).read_text()
+    assert "stalled_inside_data_loader" in text
+    assert "after step 4" in text
+    assert f"on_stall 4 3 {dumps[0]}" in result.stdout
+    assert "step 4" in result.stderr and dumps[0] in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_beating_and_allowed_phases_do_not_trip(tmp_path: Path) -> None:
+    body = f"""
+    # Each sleep below is longer than the timeout, except the short ones marked.
+    watchdog = Watchdog(0.8, dump_dir, exit_code={STALL_EXIT_CODE})
+    for step in range(10):
+        time.sleep(0.1)  # short: beating
+        watchdog.beat(step)
+    with watchdog.allow(3.0):
+        time.sleep(1.2)  # e.g. first step or checkpoint load
+    time.sleep(0.2)  # short: the usual timeout restarts when the allowance ends
+    with watchdog.paused():
+        time.sleep(1.2)
+    time.sleep(0.2)  # short
+    watchdog.close()
+    time.sleep(1.2)  # closed: no stall detection at all
+    print("finished", flush=True)
+    """
+    result = _run_child(body, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "finished" in result.stdout
+    assert not glob.glob(str(tmp_path / "stacks_*.txt"))
+
+
+@pytest.mark.timeout(60)
+def test_allowance_is_bounded(tmp_path: Path) -> None:
+    body = f"""
+    watchdog = Watchdog(0.3, dump_dir, exit_code={STALL_EXIT_CODE})
+    def slow_checkpoint_load():
+        with watchdog.allow(1.0):
+            time.sleep(60)
+    slow_checkpoint_load()
+    """
+    started = time.monotonic()
+    result = _run_child(body, tmp_path)
+    assert result.returncode == STALL_EXIT_CODE
+    assert 1.0 <= time.monotonic() - started < 20
+    (dump,) = glob.glob(str(tmp_path / "stacks_rank3_*.txt"))
+    assert "slow_checkpoint_load" in Path(dump).read_text()
+
+
+@pytest.mark.timeout(60)
+def test_watchdog_catches_injected_hang(tmp_path: Path) -> None:
+    body = f"""
+    from elastic.faults import FaultPlan
+    watchdog = Watchdog(0.5, dump_dir, exit_code={STALL_EXIT_CODE})
+    plan = FaultPlan.from_args_and_env(["hang:step=2"], env={{}})
+    for step in range(5):
+        plan.fire(step, rank=3, attempt=0)
+        watchdog.beat(step)
+    """
+    result = _run_child(body, tmp_path)
+    assert result.returncode == STALL_EXIT_CODE
+    (dump,) = glob.glob(str(tmp_path / "stacks_rank3_*.txt"))
+    text = Path(dump).read_text()
+    assert "_hang_forever" in text and "after step 1" in text
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"timeout_s": 0.0}, "timeout_s"),
+        ({"timeout_s": float("nan")}, "timeout_s"),
+        ({"timeout_s": 1.0, "exit_code": 300}, "exit_code"),
+    ],
+)
+def test_watchdog_rejects_bad_settings(
+    tmp_path: Path, kwargs: dict[str, float], named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        Watchdog(dump_dir=str(tmp_path), rank=0, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_in_process_close_stops_thread(tmp_path: Path) -> None:
+    watchdog = Watchdog(60.0, str(tmp_path), rank=0)
+    assert watchdog.running
+    watchdog.beat(1)
+    watchdog.close()
+    watchdog.close()
+    assert not watchdog.running
+
+
+@pytest.mark.timeout(30)
+def test_process_group_timeout() -> None:
+    assert process_group_timeout() == datetime.timedelta(seconds=120)
+    assert process_group_timeout(30) == datetime.timedelta(seconds=30)
+    with pytest.raises(ValueError, match="collective timeout"):
+        process_group_timeout(0)
