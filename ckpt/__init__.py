@@ -7,11 +7,18 @@ single-process otherwise::
     result = ckpt.load(state, "gs://bucket/run1")   # newest committed, any world size
     result.step, result.url, result.metadata
 
+Asynchronous save (returns once the state is staged in host memory)::
+
+    pending = ckpt.save(state, root, step=200, async_save=True)   # ckpt.PendingSave
+    ...                                  # train on; errors surface at the next save
+    ckpt.close()                         # at exit, before destroy_process_group
+
 Layout, manifest and commit rules: see DESIGN.md. ``python -m ckpt --help`` for the CLI.
 """
 
 from __future__ import annotations
 
+from ckpt.async_save import PendingSave, close, wait_pending
 from ckpt.commit import save
 from ckpt.discovery import CheckpointInfo, find_latest_committed, list_checkpoints
 from ckpt.errors import (
@@ -45,6 +52,7 @@ __all__ = [
     "LoadResult",
     "Manifest",
     "NoLoadableCheckpointError",
+    "PendingSave",
     "RetentionPlan",
     "RetentionPolicy",
     "SaveFailedError",
@@ -57,10 +65,12 @@ __all__ = [
     "StorageTimeoutError",
     "VerifyReport",
     "apply_retention",
+    "close",
     "find_latest_committed",
     "list_checkpoints",
     "load",
     "plan_retention",
     "save",
     "verify_dir",
+    "wait_pending",
 ]

@@ -119,7 +119,11 @@ class Collective:
 
 
 def _describe(exc: BaseException) -> dict[str, str]:
-    return {"type": type(exc).__name__, "message": str(exc)}
+    desc = {"type": type(exc).__name__, "message": str(exc)}
+    for attr in ("url", "path"):  # CorruptCheckpointError: which file failed, for fallback events
+        if isinstance(getattr(exc, attr, None), str):
+            desc[attr] = getattr(exc, attr)
+    return desc
 
 
 def _rebuild(desc: dict[str, str], what: str, *, rank: int) -> errors.CheckpointError:
@@ -128,9 +132,14 @@ def _rebuild(desc: dict[str, str], what: str, *, rank: int) -> errors.Checkpoint
     message = desc["message"]
     if isinstance(cls, type) and issubclass(cls, errors.CheckpointError):
         try:
-            return cls(message) if cls not in _TWO_ARG else cls(message, [])
+            rebuilt = cls(message) if cls not in _TWO_ARG else cls(message, [])
         except TypeError:
             pass
+        else:
+            for attr in ("url", "path"):
+                if attr in desc:
+                    setattr(rebuilt, attr, desc[attr])
+            return rebuilt
     return errors.CheckpointError(f"{what} failed on rank {rank}: {desc['type']}: {message}")
 
 

@@ -101,6 +101,7 @@ class ShardReader(StorageReader):
         self.manifest = manifest
         self.storage_data: dict[Any, Any] = {}
         self.bytes_read = 0
+        self._metadata: Metadata | None = None
         self._item_crcs = {
             (path, int(offset)): (int(length), str(crc))
             for path, items in manifest.chunks.items()
@@ -112,6 +113,16 @@ class ShardReader(StorageReader):
         self.bytes_read = 0
 
     def read_metadata(self) -> Metadata:
+        if self._metadata is None:
+            self._metadata = self.fetch_metadata()
+        return self._metadata
+
+    def fetch_metadata(self) -> Metadata:
+        """Read, checksum and decode ``.metadata``.
+
+        Load calls this on every rank before ``dcp.load`` (which would swallow the
+        error's type and file name into a bare AssertionError).
+        """
         url = self.ckpt_dir.root_url
         try:
             raw = self.ckpt_dir.read_bytes(DCP_METADATA_NAME)

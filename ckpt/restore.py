@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ckpt import async_save as _async
 from ckpt import faults
 from ckpt.commit import EventSink
 from ckpt.discovery import CheckpointInfo, inspect_dir, list_checkpoints
@@ -88,6 +89,9 @@ def load(
     """
     if not isinstance(root, str):
         raise TypeError(f"root must be a str URL, got {type(root).__name__}")
+    # A save still uploading in the background uses the same checkpoint group: finish it
+    # first (and surface its error) so the two protocols never interleave.
+    _async.wait_for_previous()
     started = time.monotonic()
     coll = Collective(process_group)
     faults.set_rank(coll.rank)
@@ -121,6 +125,7 @@ def load(
                 f"verifying {ckpt_dir.root_url}", lambda d=dirname: _verified_manifest(storage, d)
             )
             reader = ShardReader(ckpt_dir, manifest)
+            coll.on_every_rank(f"reading {ckpt_dir.url('.metadata')}", reader.read_metadata)
             _dcp_load(state, reader, coll)
         except StateMismatchError:
             raise

@@ -193,6 +193,7 @@ def test_damaged_checkpoint_fails_verify_and_load_falls_back(any_root, corrupt, 
     fallback = [e for e in events if e["event"] == "ckpt_fallback"]
     assert len(fallback) == 1 and fallback[0]["step"] == 2
     assert rel in fallback[0]["reason"]
+    assert fallback[0]["path"] == rel and result.skipped[0].path == rel
 
 
 def test_every_checkpoint_bad_raises_instead_of_starting_over(any_root):

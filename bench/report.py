@@ -1,0 +1,47 @@
+"""Output of a run: a markdown table on stdout and the ``--json`` object."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from bench.metrics import Metric
+
+_SUMMARY_KEYS = (
+    "ours_median_s",
+    "dcp_median_s",
+    "torch_save_full_median_s",
+    "ours_first_save_s",
+    "ours_MBps",
+    "dd_MBps",
+    "reshard_median_s",
+    "same_world_median_s",
+    "first_save_ratio",
+    "cache_drop",
+    "status",
+)
+
+
+def markdown_table(metrics: list[Metric]) -> str:
+    lines = [
+        "| metric | value | target | ok | detail |",
+        "|---|---:|---:|:---:|---|",
+    ]
+    for m in metrics:
+        value = "NaN" if math.isnan(m.value) else f"{m.value:.3f}"
+        summary = ", ".join(f"{k}={m.detail[k]}" for k in _SUMMARY_KEYS if k in m.detail)
+        ok = "yes" if m.ok else "no"
+        lines.append(f"| {m.name} | {value} | {m.direction} {m.target:g} | {ok} | {summary} |")
+    return "\n".join(lines)
+
+
+def write_json(path: str, metrics: list[Metric], run: dict[str, Any]) -> None:
+    obj: dict[str, Any] = {m.name: m.to_json() for m in metrics}
+    # Run facts (mode, machine) ride along in each metric's detail, so the top level
+    # stays exactly one entry per metric.
+    for m in obj.values():
+        m["detail"] = {**m["detail"], "run": run}
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")

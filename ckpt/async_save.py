@@ -1,0 +1,263 @@
+"""Asynchronous saves: stage the state in host memory, upload and commit in the background.
+
+``ckpt.save(..., async_save=True)`` calls :func:`submit` after the caller's thread
+has done everything that must not run concurrently with training (argument checks,
+creating the checkpoint gloo group, which is a collective on the default group).
+:func:`submit` copies every tensor of the state into host memory (DTensors stay
+DTensors with the same mesh and placements; the copy buffers of the previous save
+are reused when shapes and dtypes match), then runs the synchronous save protocol
+on that copy in one background thread and returns a :class:`PendingSave`.
+
+Rules, on every rank alike:
+
+- at most one save is in flight per process: a save (async or not) first waits for
+  the previous one (:func:`wait_for_previous`);
+- the background thread runs collectives only on the checkpoint group (see
+  :mod:`ckpt.dist`), so training collectives on other groups go on meanwhile;
+- COMPLETE is written by the coordinator only after every rank's shards are durable
+  (the protocol of :mod:`ckpt.commit`, unchanged);
+- a failure is never silent: it is raised by :meth:`PendingSave.wait`, or else by
+  the next save, :func:`wait_pending` or :func:`close`; a process that exits with a
+  save in flight waits for it and logs a failure nobody observed.
+
+DCP's own ``async_save`` runs only ``dcp.save`` in its executor; our protocol wraps
+it with collectives before and after (identities, fencing, manifest, COMPLETE), so
+the whole protocol runs on our thread instead.
+
+Call :func:`close` before ``destroy_process_group``: the background save needs the
+checkpoint group until it finishes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger(__name__)
+
+SaveRunner = Callable[[dict[str, Any], float], str]
+
+
+class PendingSave:
+    """Handle of one asynchronous save: ``wait()`` returns the committed URL or raises."""
+
+    def __init__(self, step: int, url: str, blocking_s: float) -> None:
+        self.step = step
+        self.url = url
+        self.blocking_s = blocking_s
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._observed = False
+
+    def done(self) -> bool:
+        """Whether the background upload and commit have finished (successfully or not)."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until committed and return the URL; raise the save's error if it failed.
+
+        Raises :class:`TimeoutError` if it is still running after ``timeout`` seconds.
+        An error raised here is not raised again by the next save.
+        """
+        if not self._finished.wait(timeout):
+            raise TimeoutError(
+                f"async save of step {self.step} to {self.url} still running after {timeout} s"
+            )
+        if self._error is not None:
+            self._observed = True
+            raise self._error
+        return self.url
+
+    def _run(self, runner: SaveRunner, staged: dict[str, Any]) -> None:
+        try:
+            runner(staged, self.blocking_s)
+        except BaseException as exc:  # kept for the caller; a thread has nobody to raise to
+            logger.debug("ckpt: async save of step %d failed", self.step, exc_info=True)
+            self._error = exc
+        finally:
+            self._finished.set()
+
+    def _take_unobserved_error(self) -> BaseException | None:
+        if self._error is None or self._observed:
+            return None
+        self._observed = True
+        return self._error
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error else "committed")
+        return f"PendingSave(step={self.step}, url={self.url!r}, {state})"
+
+
+_lock = threading.Lock()
+_pending: PendingSave | None = None
+_staging_buffer: Any = None
+_atexit_registered = False
+
+
+def submit(
+    state: dict[str, Any], runner: SaveRunner, *, step: int, url: str, started: float
+) -> PendingSave:
+    """Stage ``state`` in host memory, start ``runner(staged, blocking_s)`` in the background.
+
+    Called by :func:`ckpt.save` on every rank, after :func:`wait_for_previous`.
+    """
+    global _pending, _staging_buffer, _atexit_registered
+    with _lock:
+        if _pending is not None and not _pending.done():
+            raise RuntimeError("ckpt: an async save is still in flight; call wait_for_previous")
+        staged = stage_state(state, reuse=_staging_buffer)
+        _staging_buffer = staged
+        blocking_s = time.monotonic() - started
+        pending = PendingSave(step, url, blocking_s)
+        _pending = pending
+        if not _atexit_registered:
+            atexit.register(_drain_at_exit)
+            _atexit_registered = True
+    thread = threading.Thread(
+        target=pending._run, args=(runner, staged), name=f"ckpt-save-{step}", daemon=True
+    )
+    thread.start()
+    return pending
+
+
+def wait_for_previous(step: int | None = None) -> None:
+    """Wait for the save in flight, if any; raise its error unless already observed.
+
+    ``step`` is the step of the save about to start (named in the error's note).
+    """
+    with _lock:
+        pending = _pending
+    if pending is None:
+        return
+    pending._finished.wait()
+    error = pending._take_unobserved_error()
+    if error is not None:
+        caller = f"ckpt.save(step={step})" if step is not None else "ckpt"
+        error.add_note(
+            f"raised by {caller}: the asynchronous save of step {pending.step} to "
+            f"{pending.url} failed in the background; that checkpoint was not committed"
+        )
+        raise error
+
+
+def wait_pending(timeout: float | None = None) -> str | None:
+    """Wait for the async save in flight; return its URL (``None`` if there was none).
+
+    Raises the save's error unless it was already raised elsewhere, and
+    :class:`TimeoutError` if it is still running after ``timeout`` seconds.
+    """
+    with _lock:
+        pending = _pending
+    if pending is None:
+        return None
+    if not pending._finished.wait(timeout):
+        raise TimeoutError(
+            f"async save of step {pending.step} to {pending.url} still running after {timeout} s"
+        )
+    error = pending._take_unobserved_error()
+    if error is not None:
+        raise error
+    return None if pending._error is not None else pending.url
+
+
+def close(timeout: float | None = None) -> str | None:
+    """Drain like :func:`wait_pending`, then free the staging buffer (call before exit).
+
+    Every rank calls it, before ``destroy_process_group``.
+    """
+    global _staging_buffer
+    try:
+        return wait_pending(timeout)
+    finally:
+        with _lock:
+            if _pending is None or _pending.done():
+                _staging_buffer = None
+
+
+def _drain_at_exit() -> None:
+    with _lock:
+        pending = _pending
+    if pending is None:
+        return
+    if not pending.done():
+        logger.warning("ckpt: waiting for the async save of step %d before exit", pending.step)
+    pending._finished.wait()
+    error = pending._take_unobserved_error()
+    if error is not None:
+        logger.error(
+            "ckpt: the async save of step %d to %s failed and nobody waited for it: %s: %s",
+            pending.step,
+            pending.url,
+            type(error).__name__,
+            error,
+        )
+
+
+@torch.no_grad()
+def stage_state(state: Any, reuse: Any = None) -> Any:
+    """A host-memory copy of ``state`` that later changes to ``state`` do not affect.
+
+    Tensors are copied into CPU tensors (DTensors into DTensors of the same spec);
+    where ``reuse`` (a previous result) has a CPU tensor of the same shape and dtype
+    at the same place, it is overwritten instead of allocating a new one.
+    """
+    copies_from_accelerator: list[bool] = []
+    staged = _stage(state, reuse, copies_from_accelerator)
+    if copies_from_accelerator and torch.cuda.is_available():
+        torch.cuda.synchronize()  # non-blocking device-to-host copies must land first
+    return staged
+
+
+def _stage(obj: Any, old: Any, accel: list[bool]) -> Any:
+    if isinstance(obj, DTensor):
+        old_local = old._local_tensor if isinstance(old, DTensor) else None
+        local = _stage_tensor(obj._local_tensor, old_local, accel)
+        return DTensor(local, obj._spec, requires_grad=False)
+    if isinstance(obj, torch.Tensor):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            return copy.deepcopy(obj)  # other tensor subclasses (ShardedTensor): as they are
+        return _stage_tensor(obj, old if isinstance(old, torch.Tensor) else None, accel)
+    if isinstance(obj, dict):
+        olds = old if isinstance(old, dict) else {}
+        return {key: _stage(value, olds.get(key), accel) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        olds = old if isinstance(old, list | tuple) and len(old) == len(obj) else [None] * len(obj)
+        items = [_stage(value, prev, accel) for value, prev in zip(obj, olds, strict=True)]
+        return items if isinstance(obj, list) else tuple(items)
+    if obj is None or isinstance(obj, int | float | complex | str | bytes):
+        return obj  # immutable
+    if isinstance(obj, io.BytesIO):
+        return io.BytesIO(obj.getvalue())
+    return copy.deepcopy(obj)
+
+
+def _stage_tensor(
+    tensor: torch.Tensor, old: torch.Tensor | None, accel: list[bool]
+) -> torch.Tensor:
+    src = tensor.detach()
+    on_device = src.device.type != "cpu"
+    if (
+        old is not None
+        and type(old) is torch.Tensor
+        and old.device.type == "cpu"
+        and old.shape == src.shape
+        and old.dtype == src.dtype
+        and old.is_contiguous()
+    ):
+        buf = old
+    else:
+        pin = on_device and src.device.type == "cuda"
+        buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+    buf.copy_(src, non_blocking=on_device)
+    if on_device:
+        accel.append(True)
+    return buf

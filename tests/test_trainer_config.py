@@ -1,0 +1,108 @@
+"""Config parsing: TOML + --set overrides, type coercion, validation messages, CLI merge."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.cli import build_parser, config_from_args
+from trainer.config import TrainConfig, config_from_dict, load_config, parse_override
+
+pytestmark = pytest.mark.timeout(30)
+
+EXAMPLE = "examples/tiny_gpt.toml"
+
+
+def test_defaults_are_valid():
+    cfg = TrainConfig()
+    assert cfg.data.global_batch % cfg.data.micro_batch == 0
+    assert cfg.checkpoint.dir == ""
+
+
+def test_example_config_loads_and_fits_one_to_four_ranks():
+    cfg = load_config(EXAMPLE)
+    assert cfg.model.n_layer == 2
+    for world in (1, 2, 3, 4):
+        assert cfg.data.global_batch % (world * cfg.data.micro_batch) == 0
+
+
+def test_overrides_are_typed_and_applied(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nn_layer = 3\n[optim]\nlr = 0.01\n")
+    cfg = load_config(
+        str(path),
+        ["model.n_layer=5", "optim.lr=2e-4", "run.save_final=true", "checkpoint.dir=memory://x"],
+    )
+    assert cfg.model.n_layer == 5
+    assert cfg.optim.lr == pytest.approx(2e-4)
+    assert cfg.run.save_final is True
+    assert cfg.checkpoint.dir == "memory://x"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"model": {"n_layers": 2}}, "unknown key model.n_layers"),
+        ({"modle": {"n_layer": 2}}, "unknown section [modle]"),
+        ({"model": {"n_layer": 0}}, "model.n_layer=0"),
+        ({"model": {"d_model": 30, "n_head": 4}}, "model.d_model=30"),
+        ({"model": {"n_layer": "two"}}, "model.n_layer='two'"),
+        ({"model": {"dropout": 1.5}}, "model.dropout=1.5"),
+        ({"optim": {"lr": -1.0}}, "optim.lr=-1.0"),
+        ({"optim": {"warmup_steps": 10, "decay_steps": 5}}, "optim.decay_steps=5"),
+        ({"data": {"global_batch": 10, "micro_batch": 4}}, "data.global_batch=10"),
+        ({"run": {"mixed_precision": "fp8"}}, "run.mixed_precision='fp8'"),
+        ({"run": {"deterministic": "maybe"}}, "run.deterministic='maybe'"),
+        ({"run": {"max_steps": True}}, "run.max_steps=True"),
+    ],
+)
+def test_bad_config_names_key_and_value(raw, message):
+    with pytest.raises(ValueError) as info:
+        config_from_dict(raw)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["lr=3", "optim.lr", ".lr=3", "optim.=3"])
+def test_malformed_override(text):
+    with pytest.raises(ValueError, match=r"section\.key=value"):
+        parse_override(text)
+
+
+def test_override_unknown_section():
+    with pytest.raises(ValueError, match="unknown section 'optimizer'"):
+        load_config(None, ["optimizer.lr=1"])
+
+
+def test_missing_and_invalid_toml(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(str(tmp_path / "nope.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(str(bad))
+
+
+def test_cli_flags_override_set_and_file():
+    args = build_parser().parse_args(
+        [
+            "--config", EXAMPLE,
+            "--set", "run.max_steps=7",
+            "--max-steps", "9",
+            "--ckpt-dir", "/tmp/ck",
+            "--ckpt-every", "3",
+            "--run-dir", "/tmp/rd",
+            "--fault", "kill:step=5:rank=1",
+        ]
+    )  # fmt: skip
+    cfg = config_from_args(args)
+    assert cfg.run.max_steps == 9
+    assert cfg.checkpoint.dir == "/tmp/ck"
+    assert cfg.checkpoint.every == 3
+    assert cfg.run.run_dir == "/tmp/rd"
+    assert cfg.run.faults == ["kill:step=5:rank=1"]
+
+
+def test_model_digest_tracks_model_section_only():
+    a = config_from_dict({"model": {"n_layer": 2}, "optim": {"lr": 0.1}})
+    b = config_from_dict({"model": {"n_layer": 2}, "optim": {"lr": 0.2}})
+    c = config_from_dict({"model": {"n_layer": 3}})
+    assert a.model_digest() == b.model_digest() != c.model_digest()

@@ -1,0 +1,66 @@
+"""Entry point: ``python -m trainer --config FILE.toml ...`` (see ``--help``).
+
+Exit codes: 0 done; 1 a configuration/environment error found after start (batch layout,
+checkpoint directory, checkpoint of another model, checkpoint library error); 2 a bad
+command line or config (argparse style); 128+N stopped by signal N (SIGTERM: 143).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import ckpt
+from elastic.identity import RunIdentity
+from trainer.checkpointing import CheckpointDirError, CheckpointShapeError
+from trainer.cli import build_parser, config_from_args
+from trainer.data import BatchLayout, BatchLayoutError
+from trainer.distributed import close_distributed, init_distributed
+from trainer.loop import TrainingPreempted, train
+
+logger = logging.getLogger("trainer")
+
+USER_ERRORS = (BatchLayoutError, CheckpointDirError, CheckpointShapeError, ckpt.CheckpointError)
+"""Errors caused by the configuration or the environment: reported without a traceback."""
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, check, build, train, close. Every rank runs it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        identity = RunIdentity.from_env()
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    _setup_logging(identity.rank)
+    try:
+        # Fail before the rendezvous: every rank knows the world size from the environment.
+        BatchLayout.plan(cfg.data.global_batch, cfg.data.micro_batch, identity.world_size)
+    except BatchLayoutError as exc:
+        logger.error("rank %d: %s", identity.rank, exc)
+        return 1
+    ctx = init_distributed(identity)
+    try:
+        train(cfg, ctx)
+    except USER_ERRORS as exc:
+        logger.error("rank %d: %s: %s", ctx.rank, type(exc).__name__, exc)
+        return 1
+    except TrainingPreempted as exc:
+        logger.warning("rank %d: %s", ctx.rank, exc)
+        return exc.exit_code
+    finally:
+        close_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

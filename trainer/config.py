@@ -1,0 +1,329 @@
+"""Training configuration: nested dataclasses loaded from TOML with ``--set`` overrides.
+
+Each section (``model``, ``data``, ``optim``, ``checkpoint``, ``run``) is a keyword-only
+dataclass that validates itself in ``__post_init__`` and raises ``ValueError`` naming the
+offending key (``section.key``) and its value. Unknown sections and keys are errors, so a
+typo in a TOML file or an override never silently trains something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package (pip install tomli)
+    import tomli as tomllib
+
+
+def _require(ok: bool, key: str, value: object, why: str) -> None:
+    """Raise ``ValueError`` naming ``key`` and ``value`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"config {key}={value!r}: {why}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Shape of the decoder-only GPT."""
+
+    n_layer: int = 2
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide ``d_model``."""
+    d_model: int = 64
+    """Width of the residual stream."""
+    seq_len: int = 64
+    """Context length in tokens (each sample is ``seq_len + 1`` tokens)."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 means take it from the data (the default corpus's alphabet)."""
+    dropout: float = 0.0
+    """Dropout probability; masks are derived from (seed, step, micro-batch index)."""
+    bias: bool = True
+    """Whether linear layers and layer norms carry a bias."""
+
+    def __post_init__(self) -> None:
+        _require(self.n_layer >= 1, "model.n_layer", self.n_layer, "must be >= 1")
+        _require(self.n_head >= 1, "model.n_head", self.n_head, "must be >= 1")
+        _require(self.d_model >= 1, "model.d_model", self.d_model, "must be >= 1")
+        _require(
+            self.d_model % self.n_head == 0,
+            "model.d_model",
+            self.d_model,
+            f"must be divisible by model.n_head={self.n_head}",
+        )
+        _require(self.seq_len >= 1, "model.seq_len", self.seq_len, "must be >= 1")
+        _require(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "must be >= 0")
+        _require(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "must be in [0, 1)")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where samples come from and how they are ordered and batched."""
+
+    source: str = "arithmetic"
+    """``arithmetic`` (built-in corpus, no download) or a path/URL of a uint16 token file."""
+    corpus_chars: int = 200_000
+    """Length of the built-in corpus in characters."""
+    seed: int = 1234
+    """Seed of the corpus and of the per-epoch global sample order."""
+    global_batch: int = 24
+    """Samples per optimizer step, the same at every world size."""
+    micro_batch: int = 2
+    """Samples per forward/backward on one rank; accumulation = global / (world * micro)."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.source), "data.source", self.source, "must not be empty")
+        _require(
+            self.corpus_chars >= 1000, "data.corpus_chars", self.corpus_chars, "must be >= 1000"
+        )
+        _require(self.seed >= 0, "data.seed", self.seed, "must be >= 0")
+        _require(self.global_batch >= 1, "data.global_batch", self.global_batch, "must be >= 1")
+        _require(self.micro_batch >= 1, "data.micro_batch", self.micro_batch, "must be >= 1")
+        _require(
+            self.global_batch % self.micro_batch == 0,
+            "data.global_batch",
+            self.global_batch,
+            f"must be a multiple of data.micro_batch={self.micro_batch}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay, plus gradient clipping."""
+
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Steps of linear warmup from lr/warmup_steps to lr."""
+    decay_steps: int = 200
+    """Step at which the cosine reaches min_lr (constant afterwards)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _require(
+            0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "must be in [0, optim.lr]"
+        )
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(
+            self.decay_steps >= self.warmup_steps,
+            "optim.decay_steps",
+            self.decay_steps,
+            f"must be >= optim.warmup_steps={self.warmup_steps}",
+        )
+        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        _require(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "must be in [0, 1)")
+        _require(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "must be in [0, 1)")
+        _require(self.eps > 0, "optim.eps", self.eps, "must be > 0")
+        _require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Where and how often checkpoints are written."""
+
+    dir: str = ""
+    """Checkpoint root (local path, file://, memory://, gs://); empty disables checkpoints."""
+    every: int = 50
+    """Save every N optimizer steps (and at the last step); 0 saves only at the end."""
+    resume: bool = True
+    """Resume from the newest committed checkpoint under ``dir`` when there is one."""
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """Length of the run, outputs and runtime switches."""
+
+    seed: int = 1234
+    """Seed of the model initialization and of dropout."""
+    max_steps: int = 200
+    """Optimizer steps to train in total (counting steps done before a resume)."""
+    run_dir: str = ""
+    """Directory for metrics.jsonl and events.jsonl (rank 0); empty disables them."""
+    log_every: int = 1
+    """Log a line every N steps on rank 0."""
+    deterministic: bool = True
+    """Use deterministic kernels (needed for bitwise-identical resume)."""
+    mixed_precision: str = "none"
+    """``none`` or ``bf16`` (bf16 params/compute, fp32 reduction); bf16 applies on CUDA only."""
+    save_final: bool = False
+    """Write the full final parameters to ``run_dir/final_params.pt`` (rank 0)."""
+    watchdog_s: float = 0.0
+    """Abort when no step finishes for this many seconds (0 disables; needs ``elastic``)."""
+    straggler_every: int = 0
+    """Compare step times across ranks every N steps and record stragglers (0 disables)."""
+    faults: list[str] = field(default_factory=list)
+    """Fault injection specs (``KIND:step=S[:rank=R][:attempt=A]``), see ``--fault``."""
+
+    def __post_init__(self) -> None:
+        _require(self.seed >= 0, "run.seed", self.seed, "must be >= 0")
+        _require(self.max_steps >= 0, "run.max_steps", self.max_steps, "must be >= 0")
+        _require(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
+        _require(
+            self.mixed_precision in ("none", "bf16"),
+            "run.mixed_precision",
+            self.mixed_precision,
+            "must be 'none' or 'bf16'",
+        )
+        _require(
+            self.straggler_every >= 0, "run.straggler_every", self.straggler_every, "must be >= 0"
+        )
+        _require(self.watchdog_s >= 0, "run.watchdog_s", self.watchdog_s, "must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The whole configuration of one training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form of the configuration."""
+        return dataclasses.asdict(self)
+
+    def model_digest(self) -> str:
+        """Short digest of the model section, stored with checkpoints for diagnosis."""
+        blob = json.dumps(dataclasses.asdict(self.model), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "checkpoint": CheckpointConfig,
+    "run": RunConfig,
+}
+
+
+def _coerce(key: str, raw: object, annotation: str) -> object:
+    """Convert a TOML value or a ``--set`` string to the field's declared type."""
+    text = raw if isinstance(raw, str) else None
+    if annotation == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if text is not None and text.lower() in ("true", "1", "yes", "on"):
+            return True
+        if text is not None and text.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"config {key}={raw!r}: must be a boolean (true/false)")
+    if annotation == "int":
+        if isinstance(raw, bool) or not isinstance(raw, int | str):
+            raise ValueError(f"config {key}={raw!r}: must be an integer")
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"config {key}={raw!r}: must be an integer") from None
+    if annotation == "float":
+        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+            raise ValueError(f"config {key}={raw!r}: must be a number")
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"config {key}={raw!r}: must be a number") from None
+    if annotation == "str":
+        if not isinstance(raw, str):
+            raise ValueError(f"config {key}={raw!r}: must be a string")
+        return raw
+    if annotation == "list[str]":
+        if isinstance(raw, str):
+            return [part for part in raw.split(";") if part]
+        if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+            raise ValueError(f"config {key}={raw!r}: must be a list of strings")
+        return list(raw)
+    raise TypeError(f"unsupported config field type {annotation} for {key}")  # internal
+
+
+def _field_types(cls: type) -> dict[str, str]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: _annotation_name(hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def _annotation_name(tp: object) -> str:
+    if typing.get_origin(tp) is list:
+        return "list[str]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
+    """Build a validated ``TrainConfig`` from a nested mapping (parsed TOML).
+
+    Raises ``ValueError`` for unknown sections or keys and for invalid values.
+    """
+    sections: dict[str, Any] = {}
+    for name, values in raw.items():
+        cls = _SECTIONS.get(name)
+        if cls is None:
+            raise ValueError(f"config: unknown section [{name}]; known: {sorted(_SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ValueError(f"config [{name}]={values!r}: must be a table")
+        types = _field_types(cls)
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key not in types:
+                raise ValueError(
+                    f"config: unknown key {name}.{key}; known keys of [{name}]: {sorted(types)}"
+                )
+            kwargs[key] = _coerce(f"{name}.{key}", value, types[key])
+        sections[name] = cls(**kwargs)
+    return TrainConfig(**sections)
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    """Split ``section.key=value`` into its three parts (``ValueError`` if malformed)."""
+    lhs, sep, value = text.partition("=")
+    section, dot, key = lhs.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ValueError(f"--set {text!r}: expected section.key=value, e.g. optim.lr=3e-4")
+    return section, key, value.strip()
+
+
+def load_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a TOML file (``None`` means all defaults) and apply ``section.key=value`` overrides.
+
+    Overrides are applied to the raw mapping before validation, so a value that is only
+    valid together with an override (e.g. global and micro batch) is checked once, whole.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                raw = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ValueError(f"config file {path!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {path!r} is not valid TOML: {exc}") from None
+    for text in overrides or []:
+        section, key, value = parse_override(text)
+        if section not in _SECTIONS:
+            raise ValueError(
+                f"--set {text!r}: unknown section {section!r}; known: {sorted(_SECTIONS)}"
+            )
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ValueError(f"config [{section}] must be a table")
+        table[key] = value
+    return config_from_dict(raw)
