@@ -60,6 +60,24 @@ def _utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
+def process_start_time() -> float:
+    """Unix time at which this process started (Linux /proc; else the first call's time)."""
+    global _start_fallback
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        if _start_fallback is None:
+            _start_fallback = time.time()
+        return _start_fallback
+
+
+_start_fallback: float | None = None
+
+
 def _local_identity() -> dict[str, Any]:
     try:
         restart_count = int(os.environ.get(ENV_RESTART_COUNT, "0") or 0)
@@ -70,6 +88,7 @@ def _local_identity() -> dict[str, Any]:
         "restart_count": restart_count,
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "started_at": process_start_time(),
     }
 
 
@@ -165,8 +184,9 @@ def _save_staged(
         restart_count=max(int(p["restart_count"]) for p in peers),
         save_id=coll.broadcast(uuid.uuid4().hex),
     )
+    started_at = min(float(p["started_at"]) for p in peers)
 
-    coll.on_coordinator(f"preparing {url}", lambda: _prepare(storage, dirname, attempt))
+    coll.on_coordinator(f"preparing {url}", lambda: _prepare(storage, dirname, attempt, started_at))
 
     writer = ShardWriter(ckpt_dir)
     writer.save_id = attempt.save_id
@@ -213,7 +233,7 @@ def _save_staged(
         )
         manifest_bytes = manifest.to_bytes()
         ckpt_dir.write_bytes(MANIFEST_NAME, manifest_bytes, phase="manifest")
-        _check_fence(storage, attempt, step)
+        _check_fence(storage, attempt, step, started_at)
         marker = CompleteMarker(
             step=step,
             attempt=attempt,
@@ -255,7 +275,7 @@ def _save_staged(
     return url
 
 
-def _prepare(storage: Storage, dirname: str, attempt: Attempt) -> None:
+def _prepare(storage: Storage, dirname: str, attempt: Attempt, started_at: float) -> None:
     """Coordinator: refuse to overwrite a commit, fence, clear a dead attempt's leftovers."""
     existing = storage.child(dirname).list_files()
     if COMPLETE_NAME in existing:
@@ -267,7 +287,7 @@ def _prepare(storage: Storage, dirname: str, attempt: Attempt) -> None:
                 "overwritten. Resume from it, or save under another step or root."
             )
     step = int(dirname.rsplit("_", 1)[-1])
-    _check_fence(storage, attempt, step)
+    _check_fence(storage, attempt, step, started_at)
     if existing:
         logger.warning(
             "ckpt: removing %d files of an uncommitted save at %s (a dead attempt's leftovers)",
@@ -277,17 +297,31 @@ def _prepare(storage: Storage, dirname: str, attempt: Attempt) -> None:
         storage.remove_tree(dirname)
 
 
-def _check_fence(storage: Storage, attempt: Attempt, step: int) -> None:
+def _check_fence(storage: Storage, attempt: Attempt, step: int, started_at: float) -> None:
+    """Refuse to commit if a newer attempt of this run committed while this one was alive.
+
+    Restart counts restart at 0 when a job is launched again under the same run id,
+    so a higher count alone does not make a commit newer: it must also have been
+    made after this attempt's processes started (``started_at``, the earliest
+    process start among the ranks).
+    """
     latest = find_latest_committed(storage)
     if latest is None or latest.marker is None:
         return
     newer = latest.marker.attempt
-    if newer.run_id == attempt.run_id and newer.restart_count > attempt.restart_count:
-        raise FencedError(
-            f"{storage.url()}: step {latest.step} was committed by attempt {newer.restart_count}, "
-            f"newer than this writer's attempt {attempt.restart_count}; this process belongs to "
-            f"an older attempt and must not commit step {step}"
-        )
+    if newer.run_id != attempt.run_id or newer.restart_count <= attempt.restart_count:
+        return
+    try:
+        committed_at = datetime.datetime.fromisoformat(latest.marker.committed_at).timestamp()
+    except ValueError:
+        committed_at = None
+    if committed_at is not None and committed_at < started_at:
+        return  # committed by an earlier launch of the same run id, before we existed
+    raise FencedError(
+        f"{storage.url()}: step {latest.step} was committed by attempt {newer.restart_count} "
+        f"while this writer (attempt {attempt.restart_count}) was running; this process "
+        f"belongs to an older attempt and must not commit step {step}"
+    )
 
 
 def _summarize(exc: CheckpointException) -> str:

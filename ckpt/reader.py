@@ -162,12 +162,21 @@ class ShardReader(StorageReader):
         for path, items in per_file.items():
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
             for start, end, span_items in self._spans(items):
-                data = memoryview(self.ckpt_dir.read_range(path, start, end))
+                data = self.ckpt_dir.read_range(path, start, end)
                 self.bytes_read += end - start
                 verified: set[int] = set()
                 for item in span_items:
                     info = self.storage_data[item.storage_index]
-                    piece = data[info.offset - start : info.offset - start + info.length]
+                    # An item filling its span (the usual large tensor) is used as the
+                    # bytes object itself: no copy for the checksum or for BytesIO.
+                    whole = info.offset == start and info.length == len(data)
+                    piece = (
+                        data
+                        if whole
+                        else memoryview(data)[
+                            info.offset - start : info.offset - start + info.length
+                        ]
+                    )
                     if info.offset not in verified:
                         self._verify_item(path, info.offset, piece)
                         verified.add(info.offset)
@@ -197,7 +206,7 @@ class ShardReader(StorageReader):
         if group:
             yield start, end, group
 
-    def _verify_item(self, path: str, offset: int, piece: memoryview) -> None:
+    def _verify_item(self, path: str, offset: int, piece: bytes | memoryview) -> None:
         expected = self._item_crcs.get((path, offset))
         if expected is None:
             return
@@ -212,7 +221,7 @@ class ShardReader(StorageReader):
             )
 
     @staticmethod
-    def _deliver(item: ReadItem, piece: memoryview, planner: LoadPlanner) -> None:
+    def _deliver(item: ReadItem, piece: bytes | memoryview, planner: LoadPlanner) -> None:
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(piece))
             return

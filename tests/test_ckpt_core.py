@@ -253,12 +253,31 @@ def test_partial_leftovers_at_the_same_step_are_replaced(any_root):
 
 
 def test_older_attempt_is_fenced(any_root, monkeypatch):
+    # This process started before attempt 2 committed: it is a zombie of attempt 1.
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     ckpt.save(make_state(1), any_root, 10)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(ckpt.FencedError, match="older attempt"):
         ckpt.save(make_state(2), any_root, 11)
     assert ckpt.find_latest_committed(any_root).step == 10
+
+
+def test_relaunch_under_the_same_run_id_is_not_fenced(any_root, monkeypatch):
+    # A new launch reuses the run id and counts restarts from 0 again; the earlier
+    # launch's commits predate its processes, so they do not fence it.
+    import time
+
+    from ckpt import commit
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    ckpt.save(make_state(1), any_root, 10)
+    time.sleep(0.05)
+    relaunched_at = time.time()
+    monkeypatch.setattr(commit, "process_start_time", lambda: relaunched_at)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    ckpt.save(make_state(2), any_root, 11)
+    assert ckpt.find_latest_committed(any_root).step == 11
 
 
 @pytest.mark.parametrize("phase", ["shard", "metadata", "manifest", "complete"])

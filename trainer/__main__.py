@@ -1,5 +1,7 @@
 """Entry point: ``python -m trainer --config FILE.toml ...`` (see ``--help``).
 
+``python -m trainer report RUN_DIR ...`` summarizes a finished run instead (trainer/report.py).
+
 Exit codes: 0 done; 1 a configuration/environment error found after start (batch layout,
 checkpoint directory, checkpoint of another model, checkpoint library error); 2 a bad
 command line or config (argparse style); 128+N stopped by signal N (SIGTERM: 143).
@@ -7,6 +9,7 @@ command line or config (argparse style); 128+N stopped by signal N (SIGTERM: 143
 
 from __future__ import annotations
 
+import datetime
 import logging
 import sys
 
@@ -34,6 +37,11 @@ def _setup_logging(rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, check, build, train, close. Every rank runs it."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:
+        from trainer.report import main as report_main
+
+        return report_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -48,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except BatchLayoutError as exc:
         logger.error("rank %d: %s", identity.rank, exc)
         return 1
-    ctx = init_distributed(identity)
+    ctx = init_distributed(
+        identity, timeout=datetime.timedelta(seconds=cfg.run.collective_timeout_s)
+    )
     try:
         train(cfg, ctx)
     except USER_ERRORS as exc:

@@ -16,6 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m trainer",
         description="Fault-tolerant elastic GPT trainer (FSDP2). Launch with torchrun for "
         "several ranks, or plainly for one. Resumes from the newest committed checkpoint.",
+        epilog="Subcommand: python -m trainer report RUN_DIR [--out PNG] [--json] summarizes a run "
+        "directory (steps, restarts, world sizes, checkpoints, time lost, goodput) and draws a "
+        "timeline PNG (needs matplotlib); see python -m trainer report --help.",
     )
     parser.add_argument(
         "--config",

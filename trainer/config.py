@@ -171,6 +171,9 @@ class RunConfig:
     """Abort when no step finishes for this many seconds (0 disables; needs ``elastic``)."""
     straggler_every: int = 0
     """Compare step times across ranks every N steps and record stragglers (0 disables)."""
+    collective_timeout_s: float = 120.0
+    """Timeout of training collectives: a dead or frozen peer becomes an error (and a
+    restart) after this long instead of gloo's 30-minute default."""
     faults: list[str] = field(default_factory=list)
     """Fault injection specs (``KIND:step=S[:rank=R][:attempt=A]``), see ``--fault``."""
 
@@ -188,6 +191,12 @@ class RunConfig:
             self.straggler_every >= 0, "run.straggler_every", self.straggler_every, "must be >= 0"
         )
         _require(self.watchdog_s >= 0, "run.watchdog_s", self.watchdog_s, "must be >= 0")
+        _require(
+            self.collective_timeout_s > 0,
+            "run.collective_timeout_s",
+            self.collective_timeout_s,
+            "must be > 0",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

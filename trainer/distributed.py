@@ -21,7 +21,7 @@ from elastic.identity import RunIdentity
 logger = logging.getLogger(__name__)
 
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 @dataclass(frozen=True, slots=True)

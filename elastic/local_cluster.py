@@ -1,6 +1,9 @@
-"""Real torchrun jobs for end-to-end tests: several agents on this machine.
+"""A local elastic cluster: several real torchrun agents on this machine.
 
-Every agent is a ``torchrun`` process joining one c10d rendezvous on 127.0.0.1.
+Used by the end-to-end tests and the local demo (``examples/elastic_demo.py``) to
+run a job the way a multi-node cluster does, with agents that can be killed,
+SIGTERMed or added while it runs. Every agent is a ``torchrun`` process joining
+one c10d rendezvous on 127.0.0.1.
 The rendezvous store runs in a process of its own (``is_host=0`` on every agent),
 so losing any agent, the first one included, does not end the job. Agents get the
 settings the README recommends: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and short
@@ -23,9 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-RDZV_CONF = "is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+RDZV_CONF = "is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
 
 
 def free_port() -> int:
@@ -82,10 +85,16 @@ class Agent:
 
 @dataclass
 class ElasticJob:
-    """One elastic job: a standalone rendezvous store and the agents added to it."""
+    """One elastic job: a standalone rendezvous store and the agents added to it.
+
+    Agents run ``python -m <module> <trainer_args> --ckpt-dir <data_dir>/ckpt
+    --run-dir <data_dir>/run``. Call :meth:`close` (or use ``with``) to stop
+    everything that is still running.
+    """
 
     workdir: str
     trainer_args: list[str]
+    module: str = "trainer"
     nnodes: str = "2:4"
     max_restarts: int = 3
     rdzv_id: str = "e2e"
@@ -127,7 +136,7 @@ class ElasticJob:
             f"--nnodes={self.nnodes}", "--nproc_per_node=1", f"--max_restarts={self.max_restarts}",
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{self.port}", f"--rdzv_id={self.rdzv_id}",
             f"--rdzv_conf={RDZV_CONF}", "--monitor_interval=0.5", "--local_addr=127.0.0.1",
-            "-m", "trainer", *self.trainer_args, *(extra_args or []),
+            "-m", self.module, *self.trainer_args, *(extra_args or []),
             "--ckpt-dir", self.ckpt_dir, "--run-dir", self.run_dir,
         ]  # fmt: skip
         env = dict(os.environ)
@@ -200,6 +209,12 @@ class ElasticJob:
 
     def sigterm_agent(self, agent: Agent) -> None:
         _signal(agent.pid, signal.SIGTERM)
+
+    def __enter__(self) -> ElasticJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         for agent in self.agents:
