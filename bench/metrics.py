@@ -172,3 +172,132 @@ def missing(name: str, target: float, direction: str, why: str) -> Metric:
     return Metric(
         name=name, value=math.nan, target=target, direction=direction, detail={"status": why}
     )
+
+
+def _flat(per_rank: list[list[list[float]]]) -> list[list[float]]:
+    """Per round, the slowest rank's step times (step i of the round, max over ranks)."""
+    rounds = []
+    for r in range(len(per_rank[0])):
+        steps = zip(*(rank[r] for rank in per_rank), strict=True)
+        rounds.append([max(s) for s in steps])
+    return rounds
+
+
+def async_metrics(raw: dict[str, Any]) -> list[Metric]:
+    sync, block = raw["sync_s"], raw["async_block_s"]
+    steady_sync, steady_block = _median(sync[1:]), _median(block[1:])
+    quiet = [statistics.mean(r) for r in _flat(raw["quiet_steps_s"])]
+    busy = [statistics.mean(r) for r in _flat(raw["busy_steps_s"])]
+    quiet_s, busy_s = _median(quiet), _median(busy)
+    return [
+        Metric(
+            name="async_stall",
+            value=steady_block / steady_sync,
+            target=0.05,
+            direction="<=",
+            detail={
+                "ours_median_s": _r(steady_block),
+                "sync_median_s": _r(steady_sync),
+                "first_save_ratio": _r(block[0] / sync[0]),
+                "first_async_block_s": _r(block[0]),
+                "first_sync_s": _r(sync[0]),
+                "async_reported_blocking_s": [_r(x) for x in raw["async_reported_s"]],
+                "async_samples_s": [_r(x) for x in block],
+                "sync_samples_s": [_r(x) for x in sync],
+                "async_total_s": [_r(x) for x in raw["async_total_s"]],
+                "state_bytes": raw["state_bytes"],
+                "steady": "rounds 1.. (staging buffers reused); round 0 allocates them",
+            },
+        ),
+        Metric(
+            name="persist_interference",
+            value=busy_s / quiet_s,
+            target=1.10,
+            direction="<=",
+            detail={
+                "busy_step_s": _r(busy_s),
+                "quiet_step_s": _r(quiet_s),
+                "busy_round_means_s": [_r(x) for x in busy],
+                "quiet_round_means_s": [_r(x) for x in quiet],
+                "busy_steps_per_round": [len(r) for r in raw["busy_steps_s"][0]],
+                "persist_s": [_r(x) for x in raw["persist_s"]],
+                "persisted_bytes": raw["state_bytes"],
+                "model": "examples/tiny_gpt.toml GPT, 2 ranks, trainer.loop.train_step",
+            },
+        ),
+    ]
+
+
+def overhead_metric(trainer_rates: list[float], plain_rates: list[float], **extra: Any) -> Metric:
+    t, p = _median(trainer_rates), _median(plain_rates)
+    return Metric(
+        name="trainer_overhead",
+        value=t / p,
+        target=0.98,
+        direction=">=",
+        detail={
+            "trainer_steps_per_s": _r(t),
+            "plain_steps_per_s": _r(p),
+            "trainer_samples": [_r(x) for x in trainer_rates],
+            "plain_samples": [_r(x) for x in plain_rates],
+            **extra,
+        },
+    )
+
+
+def gcs_metric(raw: dict[str, Any]) -> Metric:
+    ours_s, pipe_s = _median(raw["ours_s"][1:]), _median(raw["pipe_s"][1:])
+    ours_bps = raw["ours_bytes"][-1] / ours_s
+    pipe_bps = raw["pipe_bytes"] / pipe_s
+    return Metric(
+        name="gcs_save_vs_pipe",
+        value=ours_bps / pipe_bps,
+        target=0.80,
+        direction=">=",
+        detail={
+            "ours_MBps": _r(ours_bps / 1e6, 1),
+            "pipe_MBps": _r(pipe_bps / 1e6, 1),
+            "ours_median_s": _r(ours_s),
+            "pipe_median_s": _r(pipe_s),
+            "ours_first_save_s": _r(raw["ours_s"][0]),
+            "ours_samples_s": [_r(x) for x in raw["ours_s"]],
+            "pipe_samples_s": [_r(x) for x in raw["pipe_s"]],
+            "checkpoint_bytes": raw["ours_bytes"][-1],
+            "pipe_bytes": raw["pipe_bytes"],
+            "baseline": "gcsfs pipe of one object per rank, 2 ranks in parallel, fake-gcs-server",
+        },
+    )
+
+
+def restart_metric(samples: list[dict[str, float]], cold_s: list[float], **extra: Any) -> Metric:
+    overhead = _median([s["overhead_s"] for s in samples])
+    cold = _median(cold_s)
+    keys = ("restart_to_first_step_s", "load_s", "up_to_load_s", "start_event_to_first_row_s",
+            "first_step_s")  # fmt: skip
+    breakdown = {f"median_{k}": _r(_median([s[k] for s in samples if k in s])) for k in keys}
+    return Metric(
+        name="restart_overhead",
+        value=overhead / cold,
+        target=2.0,
+        direction="<=",
+        detail={
+            "ours_median_s": _r(overhead),
+            "cold_init_median_s": _r(cold),
+            "cold_init_samples_s": [_r(x) for x in cold_s],
+            **breakdown,
+            "restarts": [
+                {k: _r(v) if isinstance(v, float) else v for k, v in s.items()} for s in samples
+            ],
+            **extra,
+        },
+    )
+
+
+def ettr_metric(runs: list[dict[str, Any]], **extra: Any) -> Metric:
+    return Metric(
+        name="ettr",
+        value=_median([r["goodput"] for r in runs]),
+        target=0.90,
+        direction=">=",
+        detail={"runs": runs, **extra},
+    )

@@ -101,6 +101,8 @@ def load(
         if step is not None:
             return [step], []
         infos = list_checkpoints(storage)
+        if not infos:
+            storage.check_reachable()  # a missing bucket is not an empty root
         return [i.step for i in infos if i.committed], [i.step for i in infos if not i.committed]
 
     candidates, partial = coll.on_coordinator(f"listing {root}", discover)

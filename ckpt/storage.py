@@ -428,6 +428,35 @@ class Storage:
 
         return self._call(f"list {self.url(key)}", "read", find_once)
 
+    def check_reachable(self) -> None:
+        """Fail clearly if the root cannot exist: a missing bucket, a file where a
+        directory should be. An empty or not yet created root is fine (saves create it).
+
+        Object stores report a missing bucket like an empty listing, so load calls
+        this when it finds nothing: a typo in a bucket name must not look like a
+        fresh run.
+        """
+        if self._local:
+            parent = self.root_path
+            while parent and not os.path.exists(parent):
+                parent = os.path.dirname(parent.rstrip("/"))
+            if parent and not os.path.isdir(parent):
+                raise StoragePermanentError(
+                    f"{self.root_url}: {parent} is a file, so the checkpoint root cannot be "
+                    "created there; choose another directory"
+                )
+            return
+        if self._has_dirs:
+            return
+        bucket = self.root_path.strip("/").split("/", 1)[0]
+        try:
+            self._call(f"stat bucket {bucket}", "read", lambda: self.fs.info(bucket))
+        except ObjectNotFoundError as exc:
+            raise StoragePermanentError(
+                f"{self.root_url}: the bucket {bucket!r} does not exist or is not visible with "
+                "these credentials; create it, fix the URL, or check the account's permissions"
+            ) from exc
+
     # -- deletes ----------------------------------------------------------------------
 
     def remove(self, key: str) -> None:

@@ -282,10 +282,18 @@ def test_missing_bucket_save_and_load_fail_fast_and_clearly(gcs_emulator):
     assert time.monotonic() - started < 10
     assert "not found" in str(err.value)
 
-    started = time.monotonic()
-    with pytest.raises(ckpt.CheckpointNotFoundError, match=MISSING_BUCKET_ROOT):
-        ckpt.load(blank_state(), MISSING_BUCKET_ROOT, missing_ok=False)
-    assert time.monotonic() - started < 10
+    # A missing bucket is not an empty root: even with missing_ok, load must not
+    # return None (the trainer would silently start from scratch on a typo).
+    for missing_ok in (False, True):
+        started = time.monotonic()
+        with pytest.raises(ckpt.StoragePermanentError, match="bucket 'no-such-bucket") as err:
+            ckpt.load(blank_state(), MISSING_BUCKET_ROOT, missing_ok=missing_ok)
+        assert MISSING_BUCKET_ROOT in str(err.value)
+        assert time.monotonic() - started < 10
+
+
+def test_empty_existing_bucket_is_a_fresh_start(gcs_root):
+    assert ckpt.load(blank_state(), gcs_root, missing_ok=True) is None
 
 
 def missing_bucket_worker(rank: int, world: int, root: str) -> dict:

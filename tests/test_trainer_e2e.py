@@ -184,6 +184,41 @@ def test_same_world_size_resume_is_bitwise_identical(runs):
     assert event["rng_restored"] is True
 
 
+@pytest.mark.timeout(300)
+def test_async_checkpoints_resume_bitwise_identically(runs):
+    """Async saves stage step S's state and commit it while training goes on; resuming
+    from such a checkpoint must continue exactly like the synchronous baseline."""
+    root = runs["root"]
+    async_ckpt, async_run = str(root / "async_ckpt"), str(root / "async_run")
+    args = ["--max-steps", "16", "--ckpt-every", "4", "--set", "checkpoint.async_save=true"]
+    run_trainer(2, [*TINY, *args, "--ckpt-dir", async_ckpt, "--run-dir", async_run])
+    saved = [
+        e
+        for e in read_jsonl(os.path.join(async_run, "events.jsonl"))
+        if e["event"] == "checkpoint_saved"
+    ]
+    assert [e["step"] for e in saved] == [4, 8, 12, 16]
+    assert [e["async"] for e in saved] == [True, True, True, False]  # the last save is synchronous
+    base = metrics_by_step(runs["base"])
+    assert all(metrics_by_step(async_run)[s]["loss"] == base[s]["loss"] for s in range(1, 17))
+
+    half = str(root / "async_half")
+    shutil.copytree(
+        os.path.join(async_ckpt, "checkpoint_0000008"), os.path.join(half, "checkpoint_0000008")
+    )
+    run_dir = str(root / "async_resumed")
+    run_trainer(
+        2,
+        [*TINY, "--max-steps", "16", "--ckpt-every", "0", "--ckpt-dir", half, "--run-dir", run_dir],
+    )
+    resumed = metrics_by_step(run_dir)
+    for step in range(9, 17):
+        assert resumed[step]["loss"] == base[step]["loss"], step
+    expected, got = final_params(runs["base"]), final_params(run_dir)
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
 def assert_matches_baseline(base_dir: str, run_dir: str, steps: range) -> None:
     base, run = metrics_by_step(base_dir), metrics_by_step(run_dir)
     for step in steps:

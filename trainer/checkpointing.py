@@ -78,6 +78,7 @@ def check_checkpoint_dir(root: str) -> None:
         if isinstance(storage.fs, LocalFileSystem):
             storage.fs.makedirs(storage.path(), exist_ok=True)
         storage.list_dir()
+        storage.check_reachable()  # a missing bucket lists as empty
     except Exception as exc:  # any failure means the directory is unusable
         error = f"--ckpt-dir {root!r} is not reachable or writable: {type(exc).__name__}: {exc}"
     error = first_error(error)
@@ -112,8 +113,13 @@ def save_checkpoint(
     *,
     extra_metadata: dict[str, Any],
     on_event: EventSink | None = None,
+    async_save: bool = False,
 ) -> str:
-    """Write a committed checkpoint of ``progress.step`` under ``root``; returns its URL."""
+    """Write a committed checkpoint of ``progress.step`` under ``root``; returns its URL.
+
+    With ``async_save`` it returns once the state is staged; the commit happens in the
+    background and a failure surfaces at the next save or at :func:`ckpt.close`.
+    """
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {
         "model": model_sd,
@@ -130,7 +136,12 @@ def save_checkpoint(
         "param_shapes": param_shapes(model),
         **extra_metadata,
     }
-    return ckpt.save(state, root, progress.step, metadata=metadata, on_event=on_event)
+    if not async_save:
+        return ckpt.save(state, root, progress.step, metadata=metadata, on_event=on_event)
+    pending = ckpt.save(
+        state, root, progress.step, metadata=metadata, on_event=on_event, async_save=True
+    )
+    return pending.url
 
 
 def _check_shapes_before_load(latest: ckpt.CheckpointInfo | None, model: torch.nn.Module) -> None:
@@ -242,9 +253,11 @@ class Checkpointer:
         seed: int,
         extra_metadata: dict[str, Any],
         record_event: Callable[..., None],
+        async_save: bool = False,
     ) -> None:
         self.root = root
         self.ctx = ctx
+        self.async_save = async_save
         self.seed = seed
         self.extra_metadata = extra_metadata
         self._record_event = record_event
@@ -272,8 +285,13 @@ class Checkpointer:
         progress: TrainProgress,
         *,
         fail_storage: bool = False,
+        background: bool = False,
     ) -> str | None:
         """Save ``progress.step``; a failed save is logged and recorded, and returns None.
+
+        With ``background`` (and ``checkpoint.async_save``), returns once the state is
+        staged; an earlier background save that failed is reported here (as this call's
+        failure: the earlier checkpoint was not committed).
 
         ``fail_storage`` (fault injection) makes this rank's shard writes fail, so the
         collective save fails on every rank and nothing is committed.
@@ -289,15 +307,31 @@ class Checkpointer:
                 url = save_checkpoint(
                     self.root, model, optimizer, progress, self.ctx,
                     extra_metadata=self.extra_metadata, on_event=self._sink,
+                    async_save=background and self.async_save and not injected,
                 )  # fmt: skip
-        except ckpt.SaveFailedError as exc:
+        except (ckpt.SaveFailedError, ckpt.StorageError) as exc:
             logger.error(
                 "rank %d step %d: checkpoint save failed, training continues: %s",
                 self.ctx.rank, progress.step, exc,
             )  # fmt: skip
             self._record_event("checkpoint_failed", progress.step, error=str(exc))
             return None
-        self.last_save_s = time.monotonic() - started
-        if self.ctx.is_main:
-            logger.info("rank 0 step %d: checkpoint committed at %s", progress.step, url)
+        blocking_s = time.monotonic() - started
+        if not (background and self.async_save):
+            self.last_save_s = blocking_s  # preemption budgets use a full synchronous save
+            if self.ctx.is_main:
+                logger.info("rank 0 step %d: checkpoint committed at %s", progress.step, url)
+        elif self.ctx.is_main:
+            logger.info(
+                "rank 0 step %d: checkpoint staged in %.3f s, committing in the background to %s",
+                progress.step, blocking_s, url,
+            )  # fmt: skip
         return url
+
+    def drain(self) -> None:
+        """Wait for a background save in flight (all ranks); record its failure if it failed."""
+        try:
+            ckpt.wait_pending()
+        except (ckpt.SaveFailedError, ckpt.StorageError) as exc:
+            logger.error("rank %d: background checkpoint save failed: %s", self.ctx.rank, exc)
+            self._record_event("checkpoint_failed", 0, error=str(exc))

@@ -144,6 +144,9 @@ class CheckpointConfig:
     """Save every N optimizer steps (and at the last step); 0 saves only at the end."""
     resume: bool = True
     """Resume from the newest committed checkpoint under ``dir`` when there is one."""
+    async_save: bool = False
+    """Return to training once the state is staged in host memory; upload and commit in
+    the background (one save in flight; emergency and final saves are synchronous)."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")

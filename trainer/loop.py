@@ -162,6 +162,7 @@ def _build_checkpointer(
         seed=cfg.run.seed,
         extra_metadata=extra,
         record_event=recorder.event,
+        async_save=cfg.checkpoint.async_save,
     )
 
 
@@ -332,9 +333,15 @@ def _train(
         if checkpointer is not None and due:
             fail_storage = run.faults.storage_fault_due(step, ctx.rank, attempt)
             with slow_phase():
-                if checkpointer.save(model, optimizer, progress, fail_storage=fail_storage):
+                # The last step's save is synchronous: the run ends on a commit.
+                background = step != cfg.run.max_steps
+                if checkpointer.save(
+                    model, optimizer, progress, fail_storage=fail_storage, background=background
+                ):
                     last_saved_step = step
 
+    if checkpointer is not None:
+        checkpointer.drain()
     if cfg.run.save_final:
         path = save_final_params(model, cfg.run.run_dir, ctx)
         if path is not None:

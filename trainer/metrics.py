@@ -2,6 +2,8 @@
 
 Only global rank 0 writes; on other ranks the writer is a no-op, so callers need no
 ``if rank == 0``. Lines are flushed as they are written so a killed run keeps its record.
+Writes are serialized by a lock: an asynchronous checkpoint reports its commit from
+the save thread while the training thread writes metrics.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any, TextIO
 
@@ -26,6 +29,7 @@ class RunRecorder:
         self.enabled = enabled and bool(run_dir)
         self._metrics: TextIO | None = None
         self._events: TextIO | None = None
+        self._lock = threading.Lock()
         if self.enabled:
             os.makedirs(run_dir, exist_ok=True)
             self._metrics = open(os.path.join(run_dir, METRICS_FILE), "a", encoding="utf-8")  # noqa: SIM115
@@ -40,13 +44,16 @@ class RunRecorder:
         self._write(self._events, {"event": name, "step": step, "time": time.time(), **fields})
 
     def _write(self, fh: TextIO | None, record: dict[str, Any]) -> None:
-        if fh is None:
-            return
-        fh.write(json.dumps(record, sort_keys=True) + "\n")
-        fh.flush()
+        line = json.dumps(record, sort_keys=True) + "\n"
+        with self._lock:
+            if fh is None or fh.closed:
+                return
+            fh.write(line)
+            fh.flush()
 
     def close(self) -> None:
-        for fh in (self._metrics, self._events):
-            if fh is not None:
-                fh.close()
-        self._metrics = self._events = None
+        with self._lock:
+            for fh in (self._metrics, self._events):
+                if fh is not None:
+                    fh.close()
+            self._metrics = self._events = None

@@ -1,0 +1,156 @@
+"""Async saves: how long training is blocked, and how much a background persist slows it.
+
+Run on every rank of a spawned gloo group (see :mod:`bench.spawn`):
+
+- stall rounds: a sync ``ckpt.save`` and an ``async_save=True`` one of the same
+  FSDP2 state, order rotating per round; the async side's time is the call's
+  blocking time (staging into host buffers + the caller-thread part of the
+  protocol), the slowest rank's. Round 0 is the first save (staging buffers are
+  allocated); later rounds reuse the buffers (steady state).
+- interference rounds: training steps of the trainer's tiny GPT (2 ranks, FSDP2,
+  ``trainer.loop.train_step``) with no save, and while an async save of the large
+  state persists in the background; order rotating per round.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+from bench.fsdp_state import build_trained, local_tensor_bytes, sharded_state
+
+
+def _max_over_ranks(x: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _all_done(flag: bool) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def async_rounds(
+    rank: int, world: int, work: str, width: int, rounds: int, base_steps: int
+) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import ckpt
+    from bench.gpt import build_tiny_gpt
+    from trainer.checkpointing import TrainProgress
+    from trainer.loop import train_step
+
+    model, optim = build_trained(width)
+    state = sharded_state(model, optim)
+    state_bytes = sum(_gather(local_tensor_bytes(state)))
+    sync_s: list[float] = []
+    async_block_s: list[float] = []
+    async_reported_s: list[float] = []
+    async_total_s: list[float] = []
+    root = os.path.join(work, "async")
+    step = 0
+
+    def sync_save() -> None:
+        nonlocal step
+        step += 1
+        dist.barrier()
+        t0 = time.perf_counter()
+        ckpt.save(state, root, step)
+        dist.barrier()
+        sync_s.append(time.perf_counter() - t0)
+
+    def async_save() -> None:
+        nonlocal step
+        step += 1
+        dist.barrier()
+        t0 = time.perf_counter()
+        pending = ckpt.save(state, root, step, async_save=True)
+        blocked = time.perf_counter() - t0
+        pending.wait()
+        dist.barrier()
+        async_total_s.append(time.perf_counter() - t0)
+        async_block_s.append(_max_over_ranks(blocked))
+        async_reported_s.append(_max_over_ranks(pending.blocking_s))
+
+    ops = [sync_save, async_save]
+    for i in range(rounds + 1):
+        for op in ops[i % 2 :] + ops[: i % 2]:
+            op()
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+        dist.barrier()
+
+    # Interference: the tiny GPT trains on the default group; the save uses its own.
+    g = build_tiny_gpt(rank, world)
+    progress = TrainProgress()
+
+    def one_step() -> float:
+        t0 = time.perf_counter()
+        train_step(g.model, g.optimizer, g.samples, g.order, g.layout, progress, g.cfg, g.ctx)
+        progress.step += 1
+        progress.cursor += g.layout.global_batch
+        return time.perf_counter() - t0
+
+    for _ in range(3):  # warm-up: allocations, gloo connections
+        one_step()
+    quiet: list[list[float]] = []
+    busy: list[list[float]] = []
+    persist_s: list[float] = []
+
+    def without_save() -> None:
+        times = []
+        for _ in range(base_steps):
+            times.append(one_step())
+            _all_done(True)  # the same tiny collective as the busy side
+        quiet.append(times)
+
+    def with_save() -> None:
+        nonlocal step
+        step += 1
+        t0 = time.perf_counter()
+        pending = ckpt.save(state, root, step, async_save=True)
+        times = []
+        while True:
+            times.append(one_step())
+            if _all_done(pending.done()):
+                break
+        pending.wait()
+        persist_s.append(time.perf_counter() - t0)
+        busy.append(times)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+        dist.barrier()
+
+    ops = [without_save, with_save]
+    for i in range(rounds):
+        for op in ops[i % 2 :] + ops[: i % 2]:
+            op()
+    ckpt.close()
+    return {
+        "state_bytes": state_bytes,
+        "sync_s": sync_s,
+        "async_block_s": async_block_s,
+        "async_reported_s": async_reported_s,
+        "async_total_s": async_total_s,
+        "quiet_steps_s": _gather(quiet),
+        "busy_steps_s": _gather(busy),
+        "persist_s": persist_s,
+    }
+
+
+def _gather(value: Any) -> list[Any]:
+    from bench.rounds import dist_all_gather
+
+    return dist_all_gather(value)

@@ -1,0 +1,146 @@
+"""``restart_overhead`` and ``ettr``: real torchrun jobs (2 agents) with injected kills.
+
+Each job is :class:`elastic.local_cluster.ElasticJob` (a standalone c10d store and
+two ``torchrun`` agents, one worker each) running the tiny GPT with async
+checkpoints; ``TRAINER_FAULTS`` SIGKILLs one worker in each of several attempts.
+From ``metrics.jsonl`` and ``events.jsonl``:
+
+- per restart: last row before the kill -> first row after the resume, minus the
+  checkpoint load duration (``checkpoint_loaded``.duration_s); split into
+  detection + rendezvous + spawn/import/process group + model build (the gap from
+  the ``fault`` event to the next ``start`` event, minus the load), the load, and
+  the first step (its ``step_time_s``);
+- goodput over the whole run with :func:`trainer.report.summarize`.
+
+The baseline is one cold ``python -c "import torch; ...; init_process_group('gloo')"``
+(1 process, file:// init), timed as the subprocess's wall time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from bench.gpt import CONFIG, REPO
+
+COLD_INIT = (
+    "import sys, torch, torch.distributed as dist; "
+    "dist.init_process_group('gloo', init_method='file://' + sys.argv[1], rank=0, world_size=1); "
+    "dist.barrier(); dist.destroy_process_group()"
+)
+
+
+def cold_init_s(work: str) -> float:
+    """Wall time of a fresh interpreter that imports torch and builds a 1-rank gloo group."""
+    init_file = os.path.join(work, f"init_{time.monotonic_ns()}")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", COLD_INIT, init_file], check=True, capture_output=True)
+    elapsed = time.perf_counter() - t0
+    if os.path.exists(init_file):
+        os.unlink(init_file)
+    return elapsed
+
+
+def fault_spec(kill_steps: list[int]) -> str:
+    """One kill per attempt, alternating ranks: ``kill:step=S:rank=R:attempt=A;...``."""
+    return ";".join(
+        f"kill:step={s}:rank={(a + 1) % 2}:attempt={a}" for a, s in enumerate(kill_steps)
+    )
+
+
+def elastic_run(
+    work: str, max_steps: int, kill_steps: list[int], ckpt_every: int, timeout_s: float
+) -> dict[str, Any]:
+    """One 2-agent job with a kill at each of ``kill_steps``; returns its rows and events."""
+    from elastic.local_cluster import ElasticJob
+
+    args = [
+        "--config", CONFIG, "--max-steps", str(max_steps), "--ckpt-every", str(ckpt_every),
+        "--set", "checkpoint.async_save=true", "--set", f"run.log_every={max_steps}",
+    ]  # fmt: skip
+    job = ElasticJob(
+        os.path.join(work, f"job_{time.monotonic_ns()}"),
+        trainer_args=args,
+        max_restarts=len(kill_steps),
+        env={"TRAINER_FAULTS": fault_spec(kill_steps), "PYTHONPATH": REPO},
+    )
+    t0 = time.monotonic()
+    try:
+        job.add_agent()
+        job.add_agent()
+        codes = job.wait_agents(timeout_s)
+        wall = time.monotonic() - t0
+        if any(codes.values()):
+            raise RuntimeError(f"elastic job failed: {codes}\n{job.logs_tail()}")
+        return {"metrics": job.metrics(), "events": job.events(), "job_wall_s": wall}
+    finally:
+        job.close()
+
+
+def restarts(metrics: list[dict], events: list[dict]) -> list[dict[str, float]]:
+    """One breakdown per attempt boundary (restart_count going up)."""
+    out = []
+    faults = [e for e in events if e.get("event") == "fault"]
+    starts = [e for e in events if e.get("event") == "start"]
+    loads = [e for e in events if e.get("event") == "checkpoint_loaded"]
+    for prev, row in itertools.pairwise(metrics):
+        if row["restart_count"] <= prev["restart_count"]:
+            continue
+        attempt = row["restart_count"]
+        load = next(
+            (e for e in loads if e["time"] > prev["time"] and e["time"] < row["time"]), None
+        )
+        start = next(
+            (e for e in starts if e["time"] > prev["time"] and e["time"] < row["time"]), None
+        )
+        fault = next(
+            (e for e in faults if e["time"] >= prev["time"] - 1e-3 and e["time"] < row["time"]),
+            None,
+        )
+        load_s = float(load["duration_s"]) if load else 0.0
+        total = float(row["time"]) - float(prev["time"])
+        item = {
+            "attempt": attempt,
+            "restart_to_first_step_s": total,
+            "load_s": load_s,
+            "overhead_s": total - load_s,
+            "first_step_s": float(row["step_time_s"]),
+            "rerun_from_step": int(row["step"]),
+            "killed_after_step": int(prev["step"]),
+        }
+        if start is not None:
+            # kill (at the next step's start, just after prev's row) -> the new attempt's
+            # "start" event, which follows the load: detection, rendezvous, spawn,
+            # import, process group, model build, then the load.
+            item["kill_to_start_event_s"] = float(start["time"]) - float(
+                fault["time"] if fault else prev["time"]
+            )
+            item["up_to_load_s"] = item["kill_to_start_event_s"] - load_s
+            item["start_event_to_first_row_s"] = float(row["time"]) - float(start["time"])
+        out.append(item)
+    return out
+
+
+def goodput(metrics: list[dict], events: list[dict]) -> dict[str, Any]:
+    from trainer.report import summarize
+
+    s = summarize(metrics, events)
+    return {
+        "goodput": s.goodput,
+        "wall_time_s": s.wall_time_s,
+        "productive_time_s": s.productive_time_s,
+        "downtime_s": s.downtime_s,
+        "rerun_time_s": s.rerun_time_s,
+        "restarts": s.max_restart_count,
+        "checkpoints_committed": s.checkpoints_committed,
+        "checkpoint_mean_duration_s": s.checkpoint_mean_duration_s,
+    }
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
