@@ -14,7 +14,7 @@ bucket-type probe. Import gcsfs lazily in tests (``gcs_filesystem``), never at m
 
 Use from ``tests/conftest.py``::
 
-    from tests.gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
+    from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
 
 Findings behind these choices: docs/gcs-emulator-notes.md.
 """

@@ -16,61 +16,19 @@ import time
 
 import google_crc32c
 import pytest
-import torch
+from gcs_emulator import emulator_env, gcs_filesystem
 from multiproc import run_ok, run_ranks
+from test_ckpt_core import assert_state_equal, blank_state, make_state
 
 import ckpt
 from ckpt import faults
 from ckpt.faults import StorageFault
 from ckpt.storage import Storage, StorageOptions
-from tests import gcs_emulator as emulator_fixtures
-from tests.gcs_emulator import emulator_env, gcs_filesystem
-
-# Fixtures, bound here so that pytest finds them (tests/conftest.py does not import them).
-gcs_emulator = emulator_fixtures.gcs_emulator
-gcs_root = emulator_fixtures.gcs_root
 
 pytestmark = [pytest.mark.gcs, pytest.mark.timeout(120)]
 
 FAST_RETRY = StorageOptions(backoff_initial_s=0.01, backoff_max_s=0.02)
 MISSING_BUCKET_ROOT = "gs://no-such-bucket-xyz/run"
-
-
-def make_state(seed: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "model": {
-            "w": torch.randn(32, 16, generator=gen),
-            "b": torch.randn(16, generator=gen).to(torch.bfloat16),
-            "idx": torch.randint(0, 1000, (7,), generator=gen),
-        },
-        "step": seed,
-        "lr": 0.25 * seed,
-        "name": f"gcs-{seed}",
-    }
-
-
-def blank_state() -> dict:
-    return {
-        "model": {
-            "w": torch.zeros(32, 16),
-            "b": torch.zeros(16, dtype=torch.bfloat16),
-            "idx": torch.zeros(7, dtype=torch.int64),
-        },
-        "step": -1,
-        "lr": 0.0,
-        "name": "",
-    }
-
-
-def assert_state_equal(actual: dict, expected: dict) -> None:
-    for key in ("w", "b", "idx"):
-        assert torch.equal(actual["model"][key], expected["model"][key]), key
-    assert (actual["step"], actual["lr"], actual["name"]) == (
-        expected["step"],
-        expected["lr"],
-        expected["name"],
-    )
 
 
 def gcs_crc(data: bytes) -> str:

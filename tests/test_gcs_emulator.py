@@ -14,8 +14,7 @@ import time
 
 import google_crc32c
 import pytest
-
-from tests.gcs_emulator import (
+from gcs_emulator import (
     EMULATOR_HOST_ENV,
     ZB_HNS_ENV,
     Emulator,

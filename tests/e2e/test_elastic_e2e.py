@@ -90,7 +90,9 @@ def test_worker_killed_group_restarts_and_matches_uninterrupted_run(job_factory)
     assert max(r["restart_count"] for r in rows) == 1
     loaded = [e for e in job.events() if e["event"] in ("checkpoint_loaded", "resume")]
     assert any(e.get("step") == 12 for e in loaded), loaded
-    assert any(e["event"] == "fault" for e in job.events()) or rows  # the fault event may die with the rank
+    assert (
+        any(e["event"] == "fault" for e in job.events()) or rows
+    )  # the fault event may die with the rank
     ref, got = final_params(reference.run_dir), final_params(job.run_dir)
     assert set(ref) == set(got)
     for name in ref:
@@ -103,7 +105,11 @@ def test_worker_killed_group_restarts_and_matches_uninterrupted_run(job_factory)
 def test_agent_killed_survivors_finish_resharded(job_factory):
     job = job_factory("lost")
     agents = [job.add_agent() for _ in range(3)]
-    job.wait_for(lambda: job.last_step() >= 14 and job.metrics()[-1]["world_size"] == 3, 150, "step 14 at world 3")
+    job.wait_for(
+        lambda: job.last_step() >= 14 and job.metrics()[-1]["world_size"] == 3,
+        150,
+        "step 14 at world 3",
+    )
     job.kill_node(agents[2])
     codes = job.wait_agents(180, agents[:2])
     assert codes == {"agent0": 0, "agent1": 0}, job.logs_tail()
