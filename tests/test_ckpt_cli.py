@@ -1,0 +1,131 @@
+"""python -m ckpt: output a person can read, and exit codes a script can use."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import faults
+from ckpt.cli import human_bytes, main
+from ckpt.faults import StorageFault
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def populated(tmp_root):
+    for step in (10, 20, 30):
+        ckpt.save(
+            {"w": torch.randn(64, 64), "step": step},
+            tmp_root,
+            step,
+            metadata={"tokens": step * 100},
+        )
+    with (
+        faults.inject(StorageFault(phase="complete", kind="permanent")),
+        pytest.raises(ckpt.CheckpointError),
+    ):
+        ckpt.save({"w": torch.randn(64, 64), "step": 40}, tmp_root, 40)
+    return tmp_root
+
+
+@pytest.mark.parametrize(
+    ("n", "text"), [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (5 * 2**30, "5.0 GiB")]
+)
+def test_human_bytes(n, text):
+    assert human_bytes(n) == text
+
+
+def test_ls_lists_committed_and_partial_newest_first(populated, capsys):
+    assert main(["ls", populated]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["STEP", "STATUS", "SIZE", "WORLD", "CREATED", "NOTE"]
+    rows = [line.split() for line in lines[1:5]]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("40", "partial"),
+        ("30", "committed"),
+        ("20", "committed"),
+        ("10", "committed"),
+    ]
+    assert "KiB" in lines[2] and "no COMPLETE" in lines[1]
+    assert lines[-1].startswith("3 committed, 1 partial")
+    assert main(["ls", "--json", populated]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [d["status"] for d in data] == ["partial", "committed", "committed", "committed"]
+
+
+def test_verify_exit_codes(populated, capsys):
+    assert main(["verify", populated]) == 0
+    assert capsys.readouterr().out.startswith("OK    ")
+    assert main(["verify", "--deep", "--step", "20", populated]) == 0
+    assert main(["verify", "--step", "40", populated]) == 1  # partial: not committed
+    assert "not committed" in capsys.readouterr().out
+    shard = os.path.join(populated, "checkpoint_0000030", "rank_00000.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(300)
+        byte = f.read(1)
+        f.seek(300)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert main(["verify", populated]) == 0  # fast: same size, no object crc on local disk
+    capsys.readouterr()
+    assert main(["verify", "--deep", populated]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL") and "rank_00000.distcp" in out and "crc32c" in out
+    assert main(["verify", os.path.join(populated, "checkpoint_0000010")]) == 0  # a directory URL
+
+
+def test_verify_and_inspect_of_an_empty_root_exit_1(tmp_root, capsys):
+    assert main(["verify", tmp_root]) == 1
+    assert "no committed checkpoint" in capsys.readouterr().err
+    assert main(["inspect", tmp_root]) == 1
+
+
+def test_inspect_shows_manifest_summary(populated, capsys):
+    assert main(["inspect", populated]) == 0
+    out = capsys.readouterr().out
+    assert "step         30" in out and "world_size   1" in out
+    assert "float32" in out and "[64, 64]" in out and '"tokens": 3000' in out
+    assert main(["inspect", "--json", "--step", "20", populated]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (
+        data["step"] == 20
+        and {"name": "w", "shape": [64, 64], "dtype": "float32"} in data["tensors"]
+    )
+
+
+def test_gc_dry_run_then_delete(populated, capsys):
+    assert main(["gc", populated, "--keep-last", "1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would delete  step         20" in out and "nothing was deleted" in out
+    assert len(ckpt.list_checkpoints(populated)) == 4
+    assert main(["gc", populated, "--keep-last", "1", "--keep-every", "20"]) == 0
+    assert [(i.step, i.committed) for i in ckpt.list_checkpoints(populated)] == [
+        (40, False),
+        (30, True),
+        (20, True),
+    ]
+
+
+def test_gc_rejects_keep_last_zero(populated, capsys):
+    assert main(["gc", populated, "--keep-last", "0"]) == 2
+    assert "keep_last" in capsys.readouterr().err
+    assert len(ckpt.list_checkpoints(populated)) == 4  # nothing deleted
+
+
+def test_module_entry_point_and_help():
+    result = subprocess.run(
+        [sys.executable, "-m", "ckpt", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0
+    for command in ("ls", "verify", "inspect", "gc"):
+        assert command in result.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "ckpt", "frobnicate"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2

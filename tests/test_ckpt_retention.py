@@ -1,0 +1,97 @@
+"""Retention: the keep/delete decision as a table, then applied to real directories."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import faults
+from ckpt.faults import StorageFault
+from ckpt.retention import RetentionPolicy, apply_retention, plan_retention
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(
+    ("committed", "partial", "keep_last", "keep_every", "keep", "delete", "delete_partial"),
+    [
+        # nothing to do
+        ([], [], 1, None, (), (), ()),
+        # the newest is always kept
+        ([5], [], 1, None, (5,), (), ()),
+        ([1, 2, 3, 4], [], 1, None, (4,), (3, 2, 1), ()),
+        ([1, 2, 3, 4], [], 2, None, (4, 3), (2, 1), ()),
+        ([1, 2, 3], [], 10, None, (3, 2, 1), (), ()),
+        # order of the input does not matter
+        ([30, 10, 20], [], 2, None, (30, 20), (10,), ()),
+        # keep_every keeps multiples forever, on top of the newest K
+        ([100, 200, 300, 400, 500], [], 1, 200, (500, 400, 200), (300, 100), ()),
+        ([1000, 1500, 2000, 2500], [], 2, 1000, (2500, 2000, 1000), (1500,), ()),
+        # partial directories older than the newest committed are dead attempts
+        ([10, 20], [15, 5], 5, None, (20, 10), (), (15, 5)),
+        # a partial newer than every commit may be a save in flight: keep it
+        ([10, 20], [30], 1, None, (20,), (10,), ()),
+        # no commit at all: partials are never deleted (nothing proves they are dead)
+        ([], [7, 8], 1, None, (), (), ()),
+        # a step both committed and listed partial counts as committed
+        ([10], [10], 1, None, (10,), (), ()),
+    ],
+)
+def test_plan_retention_table(
+    committed, partial, keep_last, keep_every, keep, delete, delete_partial
+):
+    plan = plan_retention(
+        committed, partial, RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
+    )
+    assert plan.keep == keep
+    assert plan.delete == delete
+    assert plan.delete_partial == delete_partial
+    assert set(plan.keep).isdisjoint(plan.delete)
+    if committed:
+        assert max(committed) in plan.keep  # the newest is never deleted
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"keep_last": 0}, "keep_last"), ({"keep_last": -1}, "keep_last"),
+     ({"keep_last": True}, "keep_last"), ({"keep_last": 1, "keep_every": 0}, "keep_every")],
+)  # fmt: skip
+def test_policy_rejects_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        RetentionPolicy(**kwargs)
+
+
+def _save(root: str, step: int) -> None:
+    ckpt.save({"w": torch.full((4,), float(step)), "step": step}, root, step)
+
+
+def test_apply_retention_deletes_old_and_dead_partial(memory_root):
+    for step in (100, 200, 300, 400):
+        _save(memory_root, step)
+    with (
+        faults.inject(StorageFault(phase="complete", kind="permanent")),
+        pytest.raises(ckpt.CheckpointError),
+    ):
+        _save(memory_root, 250)  # a dead attempt's partial directory, older than 400
+    dry = apply_retention(memory_root, RetentionPolicy(keep_last=2, keep_every=200), dry_run=True)
+    assert [i.step for i in ckpt.list_checkpoints(memory_root)] == [400, 300, 250, 200, 100]
+    plan = apply_retention(memory_root, RetentionPolicy(keep_last=2, keep_every=200))
+    assert plan == dry
+    assert plan.keep == (400, 300, 200) and plan.delete == (100,) and plan.delete_partial == (250,)
+    remaining = ckpt.list_checkpoints(memory_root)
+    assert [(i.step, i.committed) for i in remaining] == [(400, True), (300, True), (200, True)]
+    state = {"w": torch.zeros(4), "step": -1}
+    assert ckpt.load(state, memory_root).step == 400
+
+
+def test_save_with_retention_runs_in_the_background_on_the_coordinator(tmp_root):
+    import time
+
+    for step in (1, 2, 3):
+        ckpt.save({"w": torch.zeros(2), "step": step}, tmp_root, step,
+                  retention=ckpt.RetentionPolicy(keep_last=2))  # fmt: skip
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(ckpt.list_checkpoints(tmp_root)) > 2:
+        time.sleep(0.05)
+    assert [i.step for i in ckpt.list_checkpoints(tmp_root)] == [3, 2]
