@@ -375,3 +375,24 @@ def test_sigterm_fault_stops_at_step_boundary_then_resumes(tmp_path, restore_tor
     assert trainer_main([*args, "--max-steps", "4"]) == 0  # in-process: no interpreter start
     assert sorted(metrics_by_step(run_dir)) == [1, 2, 3, 4]
     assert resume_event(run_dir)["step"] == 2
+
+
+@pytest.mark.timeout(200)
+def test_ckpt_storage_fault_fails_one_save_cleanly_and_training_goes_on(tmp_path):
+    """--fault ckpt-storage on rank 1: the collective save of step 4 fails on every rank,
+    nothing is committed for it, training continues and the next save commits."""
+    ckpt_dir, run_dir = str(tmp_path / "ckpt"), str(tmp_path / "run")
+    run_trainer(
+        2,
+        [*TINY, "--max-steps", "6", "--ckpt-every", "2", "--fault", "ckpt-storage:step=4:rank=1",
+         "--ckpt-dir", ckpt_dir, "--run-dir", run_dir],
+    )  # fmt: skip
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    assert [e["step"] for e in events if e["event"] == "checkpoint_saved"] == [2, 6]
+    failed = [e for e in events if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == [4] and "rank 1" in failed[0]["error"]
+    assert sorted(metrics_by_step(run_dir)) == list(range(1, 7))
+    import ckpt
+
+    infos = {i.step: i.committed for i in ckpt.list_checkpoints(ckpt_dir)}
+    assert infos.get(2) and infos.get(6) and not infos.get(4, False)
