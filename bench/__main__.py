@@ -52,7 +52,7 @@ QUICK = Mode(
     timeout_s=150,
     persist_bytes=256 << 20,
     gcs_bytes=64 << 20,
-    train_steps=17,
+    train_steps=15,
     elastic_runs=0,
 )
 FULL = Mode(
@@ -116,11 +116,16 @@ def _async(work: str, mode: Mode) -> list[m.Metric]:
 def _overhead(work: str, mode: Mode) -> list[m.Metric]:
     trainer_rates: list[float] = []
     plain_rates: list[float] = []
+    exits: list[int] = []
+    reasons: list[str] = []
     for i in range(mode.rounds):
         for side in ("trainer", "plain") if i % 2 == 0 else ("plain", "trainer"):
             if side == "trainer":
-                ends = trainer_run(work, mode.train_steps, timeout_s=mode.timeout_s)
+                ends, rc, why = trainer_run(work, mode.train_steps, timeout_s=mode.timeout_s)
                 trainer_rates.append(steady_rate(ends, WARMUP_STEPS))
+                exits.append(rc)
+                if why:
+                    reasons.append(why)
             else:
                 out = run_on_ranks(
                     plain_loop, RANKS, mode.train_steps, WARMUP_STEPS, timeout_s=mode.timeout_s
@@ -132,6 +137,8 @@ def _overhead(work: str, mode: Mode) -> list[m.Metric]:
             plain_rates,
             steps_per_run=mode.train_steps,
             warmup_steps_excluded=WARMUP_STEPS,
+            trainer_exit_codes=exits,
+            trainer_exit_reasons=reasons[:2],
         )
     ]
 
@@ -175,7 +182,7 @@ def _elastic(work: str, mode: Mode) -> list[m.Metric]:
         out = elastic_run(
             work, ELASTIC_MAX_STEPS, KILL_STEPS, ELASTIC_CKPT_EVERY, timeout_s=mode.timeout_s
         )
-        samples += restarts(out["metrics"], out["events"])
+        samples += restarts(out["metrics"], out["events"], out["logs"])
         runs.append({**goodput(out["metrics"], out["events"]), "job_wall_s": out["job_wall_s"]})
         cold.append(cold_init_s(work))
     settings = {

@@ -18,8 +18,10 @@ The baseline is one cold ``python -c "import torch; ...; init_process_group('glo
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -77,14 +79,51 @@ def elastic_run(
         wall = time.monotonic() - t0
         if any(codes.values()):
             raise RuntimeError(f"elastic job failed: {codes}\n{job.logs_tail()}")
-        return {"metrics": job.metrics(), "events": job.events(), "job_wall_s": wall}
+        logs = [agent.log() for agent in job.agents]
+        return {"metrics": job.metrics(), "events": job.events(), "job_wall_s": wall, "logs": logs}
     finally:
         job.close()
 
 
-def restarts(metrics: list[dict], events: list[dict]) -> list[dict[str, float]]:
+_TRAINER_TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (.*)$")
+_TORCH_TS = re.compile(r"^[EWI](\d{4}) (\d\d:\d\d:\d\d\.\d{6}) \d+ (.*)$")
+
+
+def log_marks(logs: list[str], year: int) -> list[tuple[float, str]]:
+    """``(unix time, kind)`` of the log lines that time a restart, from every agent's log.
+
+    Kinds: ``failed`` (torchrun saw a worker exit), ``pg_ready`` (rank 0's process
+    group is up), ``built`` (rank 0 built data, model, optimizer; the load starts).
+    Timestamps are local time, as ``time.time()`` in the rows is compared with them.
+    """
+    marks: list[tuple[float, str]] = []
+    for text in logs:
+        for line in text.splitlines():
+            m = _TRAINER_TS.match(line)
+            if m:
+                ts = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                if "[rank 0]" in m.group(2) and "process group ready" in m.group(2):
+                    marks.append((ts, "pg_ready"))
+                elif "[rank 0]" in m.group(2) and "looking for a committed checkpoint" in m.group(
+                    2
+                ):
+                    marks.append((ts, "built"))
+                continue
+            m = _TORCH_TS.match(line)
+            if m and "failed (exitcode" in m.group(3):
+                stamp = f"{year}{m.group(1)} {m.group(2)}"
+                ts = datetime.datetime.strptime(stamp, "%Y%m%d %H:%M:%S.%f").timestamp()
+                marks.append((ts, "failed"))
+    return sorted(marks)
+
+
+def restarts(
+    metrics: list[dict], events: list[dict], logs: list[str] | None = None
+) -> list[dict[str, float]]:
     """One breakdown per attempt boundary (restart_count going up)."""
     out = []
+    year = datetime.datetime.fromtimestamp(float(metrics[0]["time"])).year if metrics else 1970
+    marks = log_marks(logs or [], year)
     faults = [e for e in events if e.get("event") == "fault"]
     starts = [e for e in events if e.get("event") == "start"]
     loads = [e for e in events if e.get("event") == "checkpoint_loaded"]
@@ -122,6 +161,17 @@ def restarts(metrics: list[dict], events: list[dict]) -> list[dict[str, float]]:
             )
             item["up_to_load_s"] = item["kill_to_start_event_s"] - load_s
             item["start_event_to_first_row_s"] = float(row["time"]) - float(start["time"])
+        in_gap = [(t, k) for t, k in marks if float(prev["time"]) <= t <= float(row["time"])]
+        failed = next((t for t, k in in_gap if k == "failed"), None)
+        pg = next((t for t, k in in_gap if k == "pg_ready"), None)
+        built = next((t for t, k in in_gap if k == "built"), None)
+        if failed is not None and pg is not None and built is not None:
+            # kill -> torchrun notices a worker exited (the killed one, or the survivor
+            # whose gloo peer vanished) -> restart round: rendezvous, spawn, import
+            # torch + trainer, init_process_group -> data + model + optimizer build.
+            item["detect_s"] = failed - float(prev["time"])
+            item["rdzv_spawn_import_pg_s"] = pg - failed
+            item["build_s"] = built - pg
         out.append(item)
     return out
 

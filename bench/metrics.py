@@ -272,8 +272,8 @@ def gcs_metric(raw: dict[str, Any]) -> Metric:
 def restart_metric(samples: list[dict[str, float]], cold_s: list[float], **extra: Any) -> Metric:
     overhead = _median([s["overhead_s"] for s in samples])
     cold = _median(cold_s)
-    keys = ("restart_to_first_step_s", "load_s", "up_to_load_s", "start_event_to_first_row_s",
-            "first_step_s")  # fmt: skip
+    keys = ("restart_to_first_step_s", "detect_s", "rdzv_spawn_import_pg_s", "build_s", "load_s",
+            "up_to_load_s", "start_event_to_first_row_s", "first_step_s")  # fmt: skip
     breakdown = {f"median_{k}": _r(_median([s[k] for s in samples if k in s])) for k in keys}
     return Metric(
         name="restart_overhead",

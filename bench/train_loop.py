@@ -43,8 +43,14 @@ def plain_loop(rank: int, world: int, steps: int, warmup: int) -> dict[str, Any]
     return {"ends": ends, "warmup": warmup}
 
 
-def trainer_run(work: str, steps: int, timeout_s: float) -> list[float]:
-    """Run the trainer (2 ranks, no checkpoint dir) for ``steps``; returns its rows' ``time``."""
+def trainer_run(work: str, steps: int, timeout_s: float) -> tuple[list[float], int, str]:
+    """Run the trainer (2 ranks, no checkpoint dir) for ``steps``.
+
+    Returns its rows' ``time``, torchrun's exit code and, when non-zero, the lines of
+    stderr that say why. A run that wrote every row and its ``finished`` event counts
+    even if a worker then died on the way out (seen here: a SIGABRT in rank 1 after
+    training finished); the exit code is reported in the metric's detail.
+    """
     run_dir = os.path.join(work, f"trainer_{time.monotonic_ns()}")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -55,12 +61,23 @@ def trainer_run(work: str, steps: int, timeout_s: float) -> list[float]:
     out = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
     )
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if out.returncode != 0 or not os.path.exists(path):
+    rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    events = _read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    finished = any(e.get("event") == "finished" for e in events)
+    if len(rows) != steps or not finished:
         raise RuntimeError(f"trainer run failed (rc={out.returncode}): {out.stderr[-1500:]}")
+    why = ""
+    if out.returncode != 0:
+        keys = ("terminate", "abort", "Abort", "Error", "error:", "exitcode")
+        why = " | ".join(ln.strip() for ln in out.stderr.splitlines() if any(k in ln for k in keys))
+    return [float(r["time"]) for r in rows], out.returncode, why[:600]
+
+
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
     with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [float(r["time"]) for r in rows]
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def steady_rate(ends: list[float], warmup: int) -> float:

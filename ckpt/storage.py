@@ -59,6 +59,9 @@ ENV_RETRY_TOTAL_S = "CKPT_STORAGE_RETRY_TOTAL_S"
 ENV_EMULATOR_HOST = "STORAGE_EMULATOR_HOST"
 ENV_GCSFS_HNS = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
 
+GCS_UPLOAD_BLOCK_BYTES = 32 << 20
+"""Upload chunk of a streamed gs:// object (a multiple of 256 KiB, as GCS requires)."""
+
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _PERMANENT_HTTP = frozenset({400, 401, 403, 404, 405, 409, 411, 412})
 _TRANSIENT_ERRNO = frozenset(
@@ -209,6 +212,10 @@ class Storage:
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._local = "file" in protocols or "local" in protocols
         self._has_dirs = self._local or "memory" in protocols
+        # gcsfs uploads a streamed object in block_size chunks, one request each: its
+        # 5 MiB default made our saves ~half as fast as one pipe() on the emulator.
+        gcs = "gs" in protocols or "gcs" in protocols
+        self._write_kwargs: dict[str, Any] = {"block_size": GCS_UPLOAD_BLOCK_BYTES} if gcs else {}
 
     # -- addressing -------------------------------------------------------------------
 
@@ -225,6 +232,7 @@ class Storage:
         sub = object.__new__(Storage)
         sub.root_url, sub.options, sub.fs = self.url(key), self.options, self.fs
         sub.root_path, sub._local, sub._has_dirs = self.path(key), self._local, self._has_dirs
+        sub._write_kwargs = self._write_kwargs
         return sub
 
     # -- retry machinery --------------------------------------------------------------
@@ -302,7 +310,7 @@ class Storage:
         def write_once() -> FileRecord:
             if self._has_dirs:
                 self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            with self.fs.open(path, "wb") as raw:
+            with self.fs.open(path, "wb", **self._write_kwargs) as raw:
                 sink = _Truncating(raw) if getattr(_truncate, "active", False) else raw
                 stream = ChecksummingWriter(sink)
                 produce(stream)
