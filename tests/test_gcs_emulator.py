@@ -19,13 +19,9 @@ from gcs_emulator import (
     ZB_HNS_ENV,
     Emulator,
     emulator_env,
-    gcs_emulator,
     gcs_filesystem,
-    gcs_root,
     start_emulator,
 )
-
-__all__ = ["gcs_emulator", "gcs_root"]  # fixtures, used by name
 
 pytestmark = pytest.mark.gcs
 
