@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-RDZV_CONF = "is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
+RDZV_CONF = (
+    "is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
+)
 
 
 def free_port() -> int:
@@ -140,8 +142,14 @@ class ElasticJob:
             "--ckpt-dir", self.ckpt_dir, "--run-dir", self.run_dir,
         ]  # fmt: skip
         env = dict(os.environ)
-        env.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
-                    "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+        env.update(
+            {
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": REPO,
+            }
+        )
         env.update(self.env)
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

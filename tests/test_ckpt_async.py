@@ -6,13 +6,13 @@ import time
 
 import pytest
 import torch
-from multiproc import run_ok
 
 import ckpt
 from ckpt import faults
 from ckpt.faults import StorageFault
 from ckpt.layout import COMPLETE_NAME, checkpoint_dirname
 from ckpt.storage import Storage
+from elastic.spawn import run_ok
 
 pytestmark = pytest.mark.timeout(120)
 

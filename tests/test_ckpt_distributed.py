@@ -6,9 +6,9 @@ import time
 
 import pytest
 import torch
-from multiproc import run_ok, run_ranks
 
 import ckpt
+from elastic.spawn import run_ok, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,13 +17,13 @@ import time
 import google_crc32c
 import pytest
 from gcs_emulator import emulator_env, gcs_filesystem
-from multiproc import run_ok, run_ranks
 from test_ckpt_core import assert_state_equal, blank_state, make_state
 
 import ckpt
 from ckpt import faults
 from ckpt.faults import StorageFault
 from ckpt.storage import Storage, StorageOptions
+from elastic.spawn import run_ok, run_ranks
 
 pytestmark = [pytest.mark.gcs, pytest.mark.timeout(120)]
 

@@ -1,8 +1,9 @@
-"""Run a function on N real processes joined in a gloo process group (tests only).
+"""Run a function on N local processes joined in a gloo process group.
 
-Each rank is a ``spawn``ed process; the group rendezvous through a temp file (no
-port races). Every run has a deadline: on expiry the helper kills the processes
-it started (by pid) and raises, so a hang fails the test instead of stalling CI.
+For tests and benchmarks of distributed code without torchrun: each rank is a
+``spawn``ed process; the group rendezvous through a temp file (no port races).
+Every run has a deadline: on expiry the processes started here are killed (by pid)
+and an error is raised, so a hang fails instead of stalling.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _entry(
     results: Any,
     args: tuple[Any, ...],
     env: dict[str, str],
+    pg_timeout_s: float,
 ) -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
@@ -47,7 +49,7 @@ def _entry(
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
         value = fn(rank, world_size, *args)
         # Plain pickle bytes: tensors sent as-is would travel as shared-memory handles
@@ -70,8 +72,14 @@ def run_ranks(
     *args: Any,
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    pg_timeout_s: float = 60.0,
 ) -> list[RankOutcome]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; outcomes in rank order."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; outcomes in rank order.
+
+    ``env`` is added to each rank's environment; ``pg_timeout_s`` is the collective
+    timeout of the rank's process group. Raises TimeoutError (after killing the
+    ranks it started) if any is still running after ``timeout_s``.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="pg-init-")
@@ -80,7 +88,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_entry,
-            args=(fn, r, world_size, init_file, results, args, env or {}),
+            args=(fn, r, world_size, init_file, results, args, env or {}, pg_timeout_s),
             daemon=True,
         )
         for r in range(world_size)
