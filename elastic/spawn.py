@@ -116,19 +116,32 @@ def run_ranks(
     return [outcomes[r] for r in range(world_size)]
 
 
+class RankFailedError(RuntimeError):
+    """A rank raised, died or outlived the deadline."""
+
+
 def run_ok(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    pg_timeout_s: float = 60.0,
 ) -> list[Any]:
-    """Like :func:`run_ranks`, but every rank must succeed; returns the results in rank order."""
-    outcomes = run_ranks(fn, world_size, *args, timeout_s=timeout_s, env=env)
+    """Like :func:`run_ranks`, but every rank must succeed; returns the results in rank order.
+
+    Raises :class:`RankFailedError` with every failed rank's traceback otherwise.
+    """
+    try:
+        outcomes = run_ranks(
+            fn, world_size, *args, timeout_s=timeout_s, env=env, pg_timeout_s=pg_timeout_s
+        )
+    except TimeoutError as exc:
+        raise RankFailedError(f"{getattr(fn, '__name__', fn)}: {exc}") from None
     failed = [o for o in outcomes if o.exitcode != 0 or o.error is not None]
     if failed:
         details = "\n".join(f"--- rank {o.rank} (exit {o.exitcode}):\n{o.error}" for o in failed)
-        raise AssertionError(f"{len(failed)} rank(s) failed:\n{details}")
+        raise RankFailedError(f"{len(failed)} rank(s) failed:\n{details}")
     return [o.result for o in outcomes]
 
 
