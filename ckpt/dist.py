@@ -51,6 +51,15 @@ def _checkpoint_group() -> Any:
     return group
 
 
+def release_groups() -> None:
+    """Forget the cached checkpoint group; call before ``destroy_process_group``.
+
+    A reference to a destroyed gloo group that lives until interpreter teardown can
+    abort the process there ("terminate called without an active exception").
+    """
+    _groups.clear()
+
+
 class Collective:
     """Rank, world size and failure-safe collectives for one save or load."""
 

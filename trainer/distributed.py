@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import ckpt
+from ckpt.dist import release_groups
 from elastic.identity import RunIdentity
 
 logger = logging.getLogger(__name__)
@@ -84,5 +86,7 @@ def init_distributed(
 
 def close_distributed() -> None:
     """Destroy the default process group if this process created or joined one."""
+    ckpt.close()  # drain a background save, if any
+    release_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
