@@ -1,4 +1,5 @@
-"""``python -m bench [--quick] [--json OUT] [--dir DIR]``: measure, print a table, write JSON."""
+"""``python -m bench [--quick] [--only GROUP,...] [--json OUT] [--dir DIR]``: measure, print a
+table of every metric (those not measured as NaN, with the reason), write JSON."""
 
 from __future__ import annotations
 
@@ -19,11 +20,15 @@ from bench.elastic_runs import cold_init_s, elastic_run, goodput, restarts
 from bench.fsdp_state import layer_width
 from bench.gcs import GcsEmulator, gcs_rounds
 from bench.report import markdown_table, write_json
-from bench.rounds import load_rounds, save_rounds
-from bench.spawn import RankFailedError, run_on_ranks
+from bench.rounds import load_rounds, reshard_load, reshard_save, save_rounds
+from bench.spawn import run_on_ranks
 from bench.train_loop import plain_loop, steady_rate, trainer_run
 
 RANKS = 2
+RESHARD_FROM = 4
+"""World size that writes the reshard_load checkpoint (and the same-world side loads into)."""
+RESHARD_TO = 2
+"""World size of the resharding side of reshard_load."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,10 +76,41 @@ ELASTIC_MAX_STEPS = 90
 ELASTIC_CKPT_EVERY = 10
 
 
+def parse_only(text: str) -> tuple[str, ...]:
+    """``--only`` value: comma-separated group names -> those groups, in run order."""
+    names = [part.strip() for part in text.split(",")]
+    bad = [n for n in names if n not in m.GROUPS]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown group(s) {', '.join(repr(n) for n in bad)}; "
+            f"valid groups: {', '.join(m.GROUPS)}"
+        )
+    return tuple(g for g in m.GROUPS if g in names)
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
+    groups = "; ".join(f"{g}: {', '.join(names)}" for g, names in m.GROUPS.items())
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="~64 MB state, 3 rounds (under 3 min)")
-    p.add_argument("--json", metavar="OUT", help="write {metric: {value, target, ok, detail}}")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"64 MB state instead of 1 GB, {QUICK.rounds} rounds instead of {FULL.rounds}, "
+        "smaller async/gcs states, shorter training runs; restart_overhead and ettr are "
+        "not measured (full mode only)",
+    )
+    p.add_argument(
+        "--only",
+        metavar="GROUP[,GROUP...]",
+        type=parse_only,
+        default=tuple(m.GROUPS),
+        help=f"run only these groups of measurements (default: all). Groups: {groups}. "
+        'The metrics of the other groups are reported as NaN, status "not run (--only)"',
+    )
+    p.add_argument(
+        "--json",
+        metavar="OUT",
+        help="write {metric: {value, target, ok, detail}} for all 11 metrics",
+    )
     p.add_argument(
         "--dir", default=None, help="parent of the fresh temp dir (default: the system temp dir)"
     )
@@ -91,13 +127,67 @@ def _machine(work: str) -> dict[str, Any]:
     }
 
 
-def _guarded(what: str, fn: Callable[[], list[m.Metric]]) -> list[m.Metric]:
-    """Run one group of measurements; a failure is reported, not fatal (its metrics stay NaN)."""
+def _guarded(what: str, fn: Callable[[], list[m.Metric]], errors: list[str]) -> list[m.Metric]:
+    """Run one task; a failure is printed and added to ``errors``, not fatal (its metrics: NaN)."""
     try:
         return fn()
     except Exception as exc:
         print(f"bench: {what} failed: {exc}"[:3000], file=sys.stderr)
+        errors.append(f"{what}: {exc}")
         return []
+
+
+def why_missing(name: str, selected: tuple[str, ...], errors: dict[str, list[str]]) -> str:
+    """``detail.status`` of a metric that was not produced."""
+    group = next(g for g, names in m.GROUPS.items() if name in names)
+    if group not in selected:
+        return "not run (--only)"
+    if errors.get(group):
+        return f"failed: {'; '.join(errors[group])}"[:500]
+    return "not measured (see stderr)"
+
+
+def _save(work: str, mode: Mode) -> list[m.Metric]:
+    raw = run_on_ranks(
+        save_rounds,
+        RANKS,
+        work,
+        layer_width(mode.total_bytes),
+        mode.rounds,
+        timeout_s=mode.timeout_s,
+    )[0]
+    return m.save_metrics(raw)
+
+
+def _load(work: str, mode: Mode) -> list[m.Metric]:
+    raw = run_on_ranks(
+        load_rounds,
+        RANKS,
+        work,
+        layer_width(mode.total_bytes),
+        mode.rounds,
+        timeout_s=mode.timeout_s,
+    )[0]
+    return [m.load_metric(raw)]
+
+
+def _reshard(work: str, mode: Mode) -> list[m.Metric]:
+    """One save from RESHARD_FROM ranks, then rounds of {load into RESHARD_FROM, into RESHARD_TO}.
+
+    Every load is its own spawn (order alternating per round); only the load inside
+    the ranks is timed.
+    """
+    width = layer_width(mode.total_bytes)
+    saved = run_on_ranks(reshard_save, RESHARD_FROM, work, width, timeout_s=mode.timeout_s)[0]
+    loads: list[dict[str, Any]] = []
+    for i in range(mode.rounds):
+        worlds = (RESHARD_FROM, RESHARD_TO) if i % 2 == 0 else (RESHARD_TO, RESHARD_FROM)
+        for world in worlds:
+            out = run_on_ranks(
+                reshard_load, world, work, width, saved["digest"], timeout_s=mode.timeout_s
+            )
+            loads.append(out[0])
+    return [m.reshard_metric(saved, loads)]
 
 
 def _async(work: str, mode: Mode) -> list[m.Metric]:
@@ -171,8 +261,8 @@ def _gcs(mode: Mode) -> list[m.Metric]:
 def _elastic(work: str, mode: Mode) -> list[m.Metric]:
     if mode.elastic_runs == 0:
         return [
-            m.missing("restart_overhead", 2.0, "<=", "full mode only (~1 min per torchrun job)"),
-            m.missing("ettr", 0.90, ">=", "full mode only"),
+            m.missing("restart_overhead", "full mode only (~1 min per torchrun job)"),
+            m.missing("ettr", "full mode only"),
         ]
     samples: list[dict[str, float]] = []
     cold: list[float] = []
@@ -199,63 +289,50 @@ def _elastic(work: str, mode: Mode) -> list[m.Metric]:
     ]
 
 
+def tasks(work: str, mode: Mode) -> list[tuple[str, str, Callable[[], list[m.Metric]]]]:
+    """``(group, what, run)`` in run order; each task that needs one gets its own directory."""
+
+    def own(name: str) -> str:
+        path = os.path.join(work, name)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    return [
+        ("save", "save rounds", lambda: _save(own("save"), mode)),
+        ("load", "load rounds", lambda: _load(own("load"), mode)),
+        ("load", "reshard rounds", lambda: _reshard(own("reshard"), mode)),
+        ("async", "async", lambda: _async(work, mode)),
+        ("overhead", "trainer_overhead", lambda: _overhead(work, mode)),
+        ("gcs", "gcs", lambda: _gcs(mode)),
+        ("elastic", "elastic", lambda: _elastic(work, mode)),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     mode = QUICK if args.quick else FULL
-    width = layer_width(mode.total_bytes)
+    selected: tuple[str, ...] = args.only
     work = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
-    run: dict[str, Any] = {"mode": mode.name, "ranks": RANKS, "width": width, **_machine(work)}
+    run: dict[str, Any] = {
+        "mode": mode.name,
+        "ranks": RANKS,
+        "reshard_ranks": [RESHARD_FROM, RESHARD_TO],
+        "width": layer_width(mode.total_bytes),
+        "groups": list(selected),
+        **_machine(work),
+    }
     started = time.monotonic()
-    results: list[m.Metric] = []
+    produced: list[m.Metric] = []
+    errors: dict[str, list[str]] = {}
     try:
-        try:
-            raw = run_on_ranks(
-                save_rounds, RANKS, work, width, mode.rounds, timeout_s=mode.timeout_s
-            )[0]
-            results += m.save_metrics(raw)
-        except RankFailedError as exc:
-            print(f"bench: save rounds failed: {exc}", file=sys.stderr)
-            for name, target, direction in (
-                ("save_vs_dcp", 1.0, "<="),
-                ("save_vs_disk", 0.8, ">="),
-                ("save_memory", 0.5, "<="),
-            ):
-                results.append(m.missing(name, target, direction, f"failed: {exc}"[:500]))
-        if os.path.isdir(os.path.join(work, "ours_last")):
-            try:
-                raw = run_on_ranks(
-                    load_rounds, RANKS, work, width, mode.rounds, timeout_s=mode.timeout_s
-                )[0]
-                results += m.load_metrics(raw)
-            except RankFailedError as exc:
-                print(f"bench: load rounds failed: {exc}", file=sys.stderr)
-        done = {r.name for r in results}
-        for name, target, direction in (("load_vs_disk", 0.75, ">="), ("reshard_load", 1.2, "<=")):
-            if name not in done:
-                results.append(m.missing(name, target, direction, "not measured (see stderr)"))
-        results += _guarded("async", lambda: _async(work, mode))
-        results += _guarded("trainer_overhead", lambda: _overhead(work, mode))
-        results += _guarded("gcs", lambda: _gcs(mode))
-        results += _guarded("elastic", lambda: _elastic(work, mode))
+        for group, what, task in tasks(work, mode):
+            if group in selected:
+                produced += _guarded(what, task, errors.setdefault(group, []))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    order = [
-        "save_vs_dcp",
-        "save_vs_disk",
-        "load_vs_disk",
-        "reshard_load",
-        "save_memory",
-        "trainer_overhead",
-        "async_stall",
-        "persist_interference",
-        "restart_overhead",
-        "ettr",
-        "gcs_save_vs_pipe",
-    ]
-    results.sort(key=lambda r: order.index(r.name))
-    results += m.not_measured({r.name for r in results})
+    results = m.complete(produced, lambda name: why_missing(name, selected, errors))
     run["elapsed_s"] = round(time.monotonic() - started, 1)
-    print(f"bench: mode={mode.name} ranks={RANKS} elapsed={run['elapsed_s']} s")
+    print(f"bench: mode={mode.name} groups={','.join(selected)} elapsed={run['elapsed_s']} s")
     print(markdown_table(results))
     if args.json:
         write_json(args.json, results, run)

@@ -1,14 +1,17 @@
 """What each rank runs: interleaved rounds of our save/load and their baselines.
 
-Both functions are called on every rank of a spawned gloo group (see
-:mod:`bench.spawn`). Every timed operation starts and ends with a barrier, so a
-time is the slowest rank's; rank 0 returns the raw samples (seconds, bytes) and
-:mod:`bench.metrics` turns them into ratios. Round 0 of the save rounds is the
-warm-up and is kept apart from the steady-state rounds.
+Every function here is called on every rank of a spawned gloo group (see
+:mod:`bench.spawn`) and works only under the directory it is given. Every timed
+operation starts and ends with a barrier, so a time is the slowest rank's; rank 0
+returns the raw samples (seconds, bytes) and :mod:`bench.metrics` turns them into
+ratios. Round 0 of the save rounds is the warm-up and is kept apart from the
+steady-state rounds.
 """
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import os
 import shutil
 import time
@@ -18,16 +21,11 @@ from typing import Any
 import torch
 
 from bench import disk
-from bench.fsdp_state import (
-    LAYERS,
-    build_trained,
-    full_state,
-    local_tensor_bytes,
-    sharded_state,
-)
+from bench.fsdp_state import build_trained, full_state, local_tensor_bytes, sharded_state
 from bench.memory import PeakRss
 
-LAST = LAYERS - 1
+SAVED_STEP = 1
+"""The step of every checkpoint the load and reshard rounds read."""
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -48,8 +46,7 @@ def _rotated(ops: list[str], i: int) -> list[str]:
 def save_rounds(rank: int, world: int, work: str, width: int, rounds: int) -> dict[str, Any]:
     """``rounds`` + 1 rounds of {ours, dcp, dd, torch.save}, order rotating per round.
 
-    Keeps the last round's ``ckpt`` checkpoint under ``work/ours_last`` for the
-    load rounds; deletes everything else as it goes.
+    Empties ``work`` (a directory of its own) after every round.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -106,12 +103,8 @@ def save_rounds(rank: int, world: int, work: str, width: int, rounds: int) -> di
         dist.barrier()
         if rank == 0:
             for name in os.listdir(work):
-                if name != f"ours_{i}":
-                    _remove(os.path.join(work, name))
+                _remove(os.path.join(work, name))
         dist.barrier()
-    if rank == 0:
-        os.replace(os.path.join(work, f"ours_{rounds}"), os.path.join(work, "ours_last"))
-    dist.barrier()
 
     all_growth = dist_all_gather(mem_growth)
     all_state_bytes = dist_all_gather(my_bytes)
@@ -127,99 +120,175 @@ def save_rounds(rank: int, world: int, work: str, width: int, rounds: int) -> di
 
 
 def load_rounds(rank: int, world: int, work: str, width: int, rounds: int) -> dict[str, Any]:
-    """Cold: {ours load, dd read of the same shard files}; warm: {same-world, 2 -> 1 load}.
+    """Save once, then ``rounds`` rounds of cold {ours load, dd read of the same shard files}.
 
-    The 2 -> 1 (resharding) load runs on rank 0 alone, in a one-rank group, into
-    a full (unsharded) copy of the state: the layout a world-1 job would hold.
+    Self-contained: the checkpoint is written here (seed-0 state, ``world`` ranks)
+    under ``work``, then loaded into a state built from another seed, which is
+    zeroed before every load; at the end the loaded values must equal the saved ones.
     """
-    import torch.distributed as dist
-
     import ckpt
     from ckpt.layout import checkpoint_dirname, shard_filename
 
-    root = os.path.join(work, "ours_last")
-    ckpt_dir = os.path.join(root, checkpoint_dirname(1))
+    root = os.path.join(work, "ckpt")
+    ckpt_dir = os.path.join(root, checkpoint_dirname(SAVED_STEP))
+    saved_digest = _save_seed0(root, width)
     model, optim = build_trained(width, seed=1)  # other values: all must come from the checkpoint
     state = sharded_state(model, optim)
-    full = full_state(model, optim) if rank == 0 else None
-    if rank != 0:
-        full_state(model, optim)
-    solo = dist.new_group([0])
     files = disk.files_under(ckpt_dir)
     total_bytes = sum(os.path.getsize(p) for p in files)
     my_shard = os.path.join(ckpt_dir, shard_filename(rank))
     shard_bytes = sum(dist_all_gather(os.path.getsize(my_shard)))
 
-    samples: dict[str, list[float]] = {
-        "cold_ours": [],
-        "cold_dd": [],
-        "warm_same": [],
-        "reshard": [],
-    }
+    samples: dict[str, list[float]] = {"cold_ours": [], "cold_dd": []}
     ours_read: list[int] = []
     methods: set[str] = set()
 
-    def drop() -> None:
-        if rank == 0:
-            methods.add(disk.drop_page_cache(files))
-        dist.barrier()
-
     def cold_ours() -> None:
-        drop()
+        _zero(state)
+        methods.add(_drop_cache(rank, files))
         got: list[Any] = []
         samples["cold_ours"].append(_timed(lambda: got.append(ckpt.load(state, root))))
         ours_read.append(sum(dist_all_gather(got[0].bytes_read)))
 
     def cold_dd() -> None:
-        drop()
+        methods.add(_drop_cache(rank, files))
         samples["cold_dd"].append(_timed(lambda: disk.dd_read(my_shard)))
 
-    def warm_same() -> None:
-        samples["warm_same"].append(_timed(lambda: ckpt.load(state, root)))
-
-    def reshard() -> None:
-        def load_alone() -> None:
-            if rank == 0:
-                ckpt.load(full, root, process_group=solo)
-
-        samples["reshard"].append(_timed(load_alone))
-
-    warm_same()  # warm-up of the load path (imports, the checkpoint group)
-    reshard()
-    samples["warm_same"].clear()
-    samples["reshard"].clear()
+    ckpt.load(state, root)  # warm-up of the load path (imports, the checkpoint group)
     for i in range(rounds):
         for op in _rotated([cold_ours, cold_dd], i):
             op()
-        for op in _rotated([warm_same, reshard], i):
-            op()
-    _check_loaded(state, full, width, rank)
+    _check_digest(state, saved_digest, rank, f"{world} -> {world} load")
     return {
         "times": samples,
         "total_bytes": total_bytes,
         "shard_bytes": shard_bytes,
         "ours_bytes_read": ours_read,
-        "cache_drop": sorted(methods),
+        "cache_drop": sorted(methods - {""}),
+        "world": world,
     }
 
 
-def _check_loaded(
-    state: dict[str, Any], full: dict[str, Any] | None, width: int, rank: int
-) -> None:
-    """Loaded values equal the saved ones (rebuilt from seed 0), in both layouts."""
-    from torch.distributed.tensor import DTensor
+def reshard_save(rank: int, world: int, root: str, width: int) -> dict[str, Any]:
+    """Write the checkpoint the reshard loads read: seed-0 state saved from ``world`` ranks."""
+    from ckpt.layout import checkpoint_dirname
+
+    digest = _save_seed0(root, width)
+    files = disk.files_under(os.path.join(root, checkpoint_dirname(SAVED_STEP)))
+    return {
+        "world": world,
+        "checkpoint_bytes": sum(os.path.getsize(p) for p in files),
+        "digest": digest,
+    }
+
+
+def reshard_load(
+    rank: int, world: int, root: str, width: int, saved_digest: dict[str, str]
+) -> dict[str, Any]:
+    """One cold, timed ``ckpt.load`` of the checkpoint under ``root`` into ``world`` ranks.
+
+    The state (FSDP2, same width, another seed) is built first and loaded once
+    untimed (imports, the checkpoint group); then it is zeroed, the page cache is
+    dropped and barrier -> load -> barrier is timed. The loaded values must equal
+    the saved ones (``saved_digest``, from :func:`reshard_save`).
+    """
+    import ckpt
+    from ckpt.layout import checkpoint_dirname
+
+    files = disk.files_under(os.path.join(root, checkpoint_dirname(SAVED_STEP)))
+    model, optim = build_trained(width, seed=1)
+    state = sharded_state(model, optim)
+    ckpt.load(state, root)
+    _zero(state)
+    method = _drop_cache(rank, files)
+    got: list[Any] = []
+    load_s = _timed(lambda: got.append(ckpt.load(state, root)))
+    bytes_read = sum(dist_all_gather(got[0].bytes_read))
+    _check_digest(state, saved_digest, rank, f"load into {world} ranks")
+    return {"world": world, "load_s": load_s, "bytes_read": bytes_read, "cache_drop": method}
+
+
+def _save_seed0(root: str, width: int) -> dict[str, str]:
+    """``ckpt.save`` the seed-0 state under ``root``; its digest (rank 0; {} elsewhere)."""
+    import ckpt
 
     model, optim = build_trained(width, seed=0)
-    expected = sharded_state(model, optim)
-    for key in ("0.weight", f"{LAST}.bias"):
-        want = expected["model"][key]
-        got = state["model"][key]
-        want_local = want.to_local() if isinstance(want, DTensor) else want
-        got_local = got.to_local() if isinstance(got, DTensor) else got
-        if not torch.equal(want_local, got_local):
-            raise RuntimeError(f"rank {rank}: model.{key} differs from what was saved")
-        if full is not None and not torch.equal(full["model"][key][: len(want_local)], want_local):
-            raise RuntimeError(f"rank {rank}: resharded model.{key} differs from what was saved")
+    state = sharded_state(model, optim)
+    digest = state_digest(state)
+    ckpt.save(state, root, SAVED_STEP)
+    del model, optim, state
+    gc.collect()
+    return digest
+
+
+def _drop_cache(rank: int, files: list[str]) -> str:
+    """Rank 0 evicts ``files`` from the page cache, then all wait; the method (rank 0)."""
+    import torch.distributed as dist
+
+    method = disk.drop_page_cache(files) if rank == 0 else ""
+    dist.barrier()
+    return method
+
+
+def _zero(state: Any) -> None:
+    """Zero every tensor this rank holds in ``state`` (DTensors: the local shard), in place."""
+    from torch.distributed.tensor import DTensor
+
+    for _path, value in _leaves(state):
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            with torch.no_grad():
+                value.zero_()
+
+
+def _leaves(obj: Any, path: str = "") -> list[tuple[str, Any]]:
+    """``(dotted path, value)`` of every non-container in nested dicts/lists, in order."""
+    if isinstance(obj, dict):
+        children = [(f"{path}.{k}" if path else str(k), v) for k, v in obj.items()]
+    elif isinstance(obj, list | tuple):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    else:
+        return [(path, obj)]
+    return [leaf for child_path, child in children for leaf in _leaves(child, child_path)]
+
+
+def state_digest(state: Any) -> dict[str, str]:
+    """sha256 of every full tensor in ``state`` (repr for other values); collective.
+
+    Independent of the world size and of how tensors are sharded, so a state saved
+    from N ranks and loaded into M compares exactly. Rank 0 gets the digest; the
+    other ranks take part in the gathers and get ``{}``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    rank = dist.get_rank()
+    out: dict[str, str] = {}
+    for path, value in _leaves(state):
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if rank != 0:
+            continue
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            sha = hashlib.sha256(flat.numpy()).hexdigest()
+            out[path] = f"{value.dtype} {list(value.shape)} {sha}"
+        else:
+            out[path] = repr(value)
+    return out
+
+
+def _check_digest(state: Any, want: dict[str, str], rank: int, what: str) -> None:
+    """Raise on rank 0 if the loaded ``state`` differs from the saved one; collective."""
+    got = state_digest(state)
+    if rank != 0:
+        return
+    if not want:
+        raise RuntimeError(f"{what}: no digest of the saved state to compare with")
+    bad = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+    if bad:
+        raise RuntimeError(f"{what}: {len(bad)} value(s) differ from what was saved: {bad[:5]}")
 
 
 def dist_all_gather(value: Any) -> list[Any]:

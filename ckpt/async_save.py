@@ -34,9 +34,10 @@ import atexit
 import copy
 import io
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,9 +55,26 @@ class PendingSave:
         self.step = step
         self.url = url
         self.blocking_s = blocking_s
+        """Seconds the ``ckpt.save`` call blocked its caller."""
+        self.gate_wait_s = 0.0
+        """Seconds optimizer steps waited for a background staging copy (``overlap_staging``)."""
+        self.staging_s: float | None = None
+        """Seconds the staging copy took (``None`` until it is done)."""
+        self._staged = threading.Event()
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._observed = False
+
+    def staged(self) -> bool:
+        """Whether the state has been copied; from then on the caller may change it."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the staging copy is done (the caller may then change its tensors)."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(
+                f"async save of step {self.step}: staging still running after {timeout} s"
+            )
 
     def done(self) -> bool:
         """Whether the background upload and commit have finished (successfully or not)."""
@@ -77,14 +95,31 @@ class PendingSave:
             raise self._error
         return self.url
 
-    def _run(self, runner: SaveRunner, staged: dict[str, Any]) -> None:
+    def _run(self, runner: SaveRunner, staged: dict[str, Any], copies: list[_Copy]) -> None:
+        _lower_thread_priority()
         try:
+            if copies:
+                started = time.monotonic()
+                try:
+                    _run_copies(copies)
+                finally:
+                    self.staging_s = time.monotonic() - started
+                    self._staged.set()
             runner(staged, self.blocking_s)
         except BaseException as exc:  # kept for the caller; a thread has nobody to raise to
             logger.debug("ckpt: async save of step %d failed", self.step, exc_info=True)
             self._error = exc
         finally:
+            self._staged.set()
             self._finished.set()
+
+    def _gate(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: the step must not change tensors still being copied."""
+        if self._staged.is_set():
+            return
+        started = time.monotonic()
+        self._staged.wait()
+        self.gate_wait_s += time.monotonic() - started
 
     def _take_unobserved_error(self) -> BaseException | None:
         if self._error is None or self._observed:
@@ -101,32 +136,78 @@ _lock = threading.Lock()
 _pending: PendingSave | None = None
 _staging_buffer: Any = None
 _atexit_registered = False
+_gate_handles: list[Any] = []
 
 
 def submit(
-    state: dict[str, Any], runner: SaveRunner, *, step: int, url: str, started: float
+    state: dict[str, Any],
+    runner: SaveRunner,
+    *,
+    step: int,
+    url: str,
+    started: float,
+    overlap_with: Sequence[torch.optim.Optimizer] = (),
 ) -> PendingSave:
     """Stage ``state`` in host memory, start ``runner(staged, blocking_s)`` in the background.
 
     Called by :func:`ckpt.save` on every rank, after :func:`wait_for_previous`.
+
+    With ``overlap_with`` (optimizers), only the structure is captured here (Python
+    objects copied, host buffers allocated); the tensor copies run first thing on the
+    background thread, overlapping the caller's forward and backward passes, and a
+    step pre-hook on each optimizer makes its next ``step()`` wait until they are done.
     """
     global _pending, _staging_buffer, _atexit_registered
     with _lock:
         if _pending is not None and not _pending.done():
             raise RuntimeError("ckpt: an async save is still in flight; call wait_for_previous")
-        staged = stage_state(state, reuse=_staging_buffer)
+        _remove_gates()
+        copies: list[_Copy] = []
+        staged = plan_staging(state, _staging_buffer, copies)
         _staging_buffer = staged
+        if not overlap_with:
+            _run_copies(copies)
+            copies = []
         blocking_s = time.monotonic() - started
         pending = PendingSave(step, url, blocking_s)
+        if overlap_with:
+            _gate_handles.extend(opt.register_step_pre_hook(pending._gate) for opt in overlap_with)
+        else:
+            pending.staging_s = blocking_s
+            pending._staged.set()
         _pending = pending
         if not _atexit_registered:
             atexit.register(_drain_at_exit)
             _atexit_registered = True
     thread = threading.Thread(
-        target=pending._run, args=(runner, staged), name=f"ckpt-save-{step}", daemon=True
+        target=pending._run, args=(runner, staged, copies), name=f"ckpt-save-{step}", daemon=True
     )
     thread.start()
     return pending
+
+
+def _remove_gates() -> None:
+    # Only from the caller's thread (never while it may be inside optimizer.step()).
+    while _gate_handles:
+        _gate_handles.pop().remove()
+
+
+def _lower_thread_priority() -> None:
+    """Make the save thread (and threads it starts) yield the CPU to training threads.
+
+    Linux keeps a nice value per thread; raising our own needs no privilege. The save
+    then takes the cores' idle time first instead of slowing the training steps.
+    """
+    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), _NICE))
+    except OSError:
+        pass
+
+
+_NICE = int(os.environ.get("CKPT_SAVE_THREAD_NICE", "10"))
 
 
 def wait_for_previous(step: int | None = None) -> None:
@@ -181,6 +262,7 @@ def close(timeout: float | None = None) -> str | None:
         with _lock:
             if _pending is None or _pending.done():
                 _staging_buffer = None
+                _remove_gates()
 
 
 def _drain_at_exit() -> None:
@@ -202,6 +284,9 @@ def _drain_at_exit() -> None:
         )
 
 
+_Copy = tuple[torch.Tensor, torch.Tensor]  # (host buffer, source)
+
+
 @torch.no_grad()
 def stage_state(state: Any, reuse: Any = None) -> Any:
     """A host-memory copy of ``state`` that later changes to ``state`` do not affect.
@@ -210,28 +295,48 @@ def stage_state(state: Any, reuse: Any = None) -> Any:
     where ``reuse`` (a previous result) has a CPU tensor of the same shape and dtype
     at the same place, it is overwritten instead of allocating a new one.
     """
-    copies_from_accelerator: list[bool] = []
-    staged = _stage(state, reuse, copies_from_accelerator)
-    if copies_from_accelerator and torch.cuda.is_available():
-        torch.cuda.synchronize()  # non-blocking device-to-host copies must land first
+    copies: list[_Copy] = []
+    staged = plan_staging(state, reuse, copies)
+    _run_copies(copies)
     return staged
 
 
-def _stage(obj: Any, old: Any, accel: list[bool]) -> Any:
+def plan_staging(state: Any, reuse: Any, copies: list[_Copy]) -> Any:
+    """The staged structure, with every tensor's host buffer allocated but not yet filled.
+
+    Non-tensor values are copied now; ``copies`` receives ``(buffer, source)`` pairs
+    that :func:`_run_copies` fills (``torch.empty`` does not touch its pages, so the
+    first save's page faults happen in the copy, wherever that runs).
+    """
+    return _stage(state, reuse, copies)
+
+
+@torch.no_grad()
+def _run_copies(copies: list[_Copy]) -> None:
+    accelerator = False
+    for buf, src in copies:
+        on_device = src.device.type != "cpu"
+        accelerator = accelerator or on_device
+        buf.copy_(src, non_blocking=on_device)
+    if accelerator and torch.cuda.is_available():
+        torch.cuda.synchronize()  # non-blocking device-to-host copies must land first
+
+
+def _stage(obj: Any, old: Any, copies: list[_Copy]) -> Any:
     if isinstance(obj, DTensor):
         old_local = old._local_tensor if isinstance(old, DTensor) else None
-        local = _stage_tensor(obj._local_tensor, old_local, accel)
+        local = _stage_tensor(obj._local_tensor, old_local, copies)
         return DTensor(local, obj._spec, requires_grad=False)
     if isinstance(obj, torch.Tensor):
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
             return copy.deepcopy(obj)  # other tensor subclasses (ShardedTensor): as they are
-        return _stage_tensor(obj, old if isinstance(old, torch.Tensor) else None, accel)
+        return _stage_tensor(obj, old if isinstance(old, torch.Tensor) else None, copies)
     if isinstance(obj, dict):
         olds = old if isinstance(old, dict) else {}
-        return {key: _stage(value, olds.get(key), accel) for key, value in obj.items()}
+        return {key: _stage(value, olds.get(key), copies) for key, value in obj.items()}
     if isinstance(obj, list | tuple):
         olds = old if isinstance(old, list | tuple) and len(old) == len(obj) else [None] * len(obj)
-        items = [_stage(value, prev, accel) for value, prev in zip(obj, olds, strict=True)]
+        items = [_stage(value, prev, copies) for value, prev in zip(obj, olds, strict=True)]
         return items if isinstance(obj, list) else tuple(items)
     if obj is None or isinstance(obj, int | float | complex | str | bytes):
         return obj  # immutable
@@ -241,10 +346,9 @@ def _stage(obj: Any, old: Any, accel: list[bool]) -> Any:
 
 
 def _stage_tensor(
-    tensor: torch.Tensor, old: torch.Tensor | None, accel: list[bool]
+    tensor: torch.Tensor, old: torch.Tensor | None, copies: list[_Copy]
 ) -> torch.Tensor:
     src = tensor.detach()
-    on_device = src.device.type != "cpu"
     if (
         old is not None
         and type(old) is torch.Tensor
@@ -255,9 +359,7 @@ def _stage_tensor(
     ):
         buf = old
     else:
-        pin = on_device and src.device.type == "cuda"
+        pin = src.device.type == "cuda"
         buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
-    buf.copy_(src, non_blocking=on_device)
-    if on_device:
-        accel.append(True)
+    copies.append((buf, src))
     return buf

@@ -35,24 +35,95 @@ def crc32c_of(data: bytes | bytearray | memoryview) -> str:
     return encode_crc32c(_extend(0, data))
 
 
+# -- combining checksums ---------------------------------------------------------------
+#
+# crc32c(A + B) follows from crc32c(A), crc32c(B) and len(B): shifting A's remainder by
+# 8 * len(B) zero bits is a multiplication by x^(8 len B) modulo the (reflected)
+# Castagnoli polynomial, and CRCs of the shifted part and of B add (xor). That lets a
+# writer checksum every byte once, per item, and still report the whole file's crc32c.
+
+_POLY = 0x82F63B78  # Castagnoli, bit-reflected
+_X0 = 1 << 31  # the polynomial 1 in the reflected representation
+
+
+def _mulmod(a: int, b: int) -> int:
+    """a * b modulo the Castagnoli polynomial, both reflected 32-bit polynomials."""
+    product = 0
+    bit = _X0
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers_of_x() -> list[int]:
+    # _X_POW2[k] = x^(2^k) mod P; x^(2^k) for k >= 32 repeats with the field's period,
+    # but lengths here stay far below 2^32 bytes * 8, so 64 entries are plenty.
+    table = [_X0 >> 1]  # x^1
+    for _ in range(63):
+        table.append(_mulmod(table[-1], table[-1]))
+    return table
+
+
+_X_POW2 = _powers_of_x()
+
+
+def _shift_operator(nbytes: int) -> int:
+    """x^(8 * nbytes) mod P."""
+    result = _X0
+    k = 3  # 8 = 2^3 bits per byte
+    while nbytes:
+        if nbytes & 1:
+            result = _mulmod(_X_POW2[k], result)
+        nbytes >>= 1
+        k += 1
+    return result
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """crc32c of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)`` (bytes)."""
+    if len_b == 0:
+        return crc_a
+    return _mulmod(_shift_operator(len_b), crc_a) ^ crc_b
+
+
 class ChecksummingWriter:
     """File-like wrapper that counts and checksums every byte as it streams out.
 
     Checksums are computed on the way out so a save never re-reads what it wrote.
     ``tell()`` reports bytes written, which is what DCP uses for item offsets.
+
+    The stream can be cut into segments (``start_segment``): each byte is
+    checksummed once, into its segment's crc32c, and the whole stream's crc32c is
+    derived by combining the segments' (no second pass over the data).
     """
 
     def __init__(self, raw: IO[bytes]) -> None:
         self._raw = raw
-        self._crc = 0
         self._size = 0
+        self._before = 0  # crc32c of the bytes before the open segment
+        self._seg_crc = 0
+        self._seg_start = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = data if isinstance(data, bytes) else memoryview(data).cast("B")
         self._raw.write(view)
-        self._crc = _extend(self._crc, view)
+        self._seg_crc = _extend(self._seg_crc, view)
         self._size += len(view)
         return len(view)
+
+    def start_segment(self) -> None:
+        """Close the open segment (folding its crc into the stream's) and open a new one."""
+        self._before = crc32c_combine(self._before, self._seg_crc, self._size - self._seg_start)
+        self._seg_crc = 0
+        self._seg_start = self._size
+
+    def segment(self) -> tuple[int, int, str]:
+        """``(offset, length, crc32c)`` of the open segment so far (crc GCS-encoded)."""
+        return self._seg_start, self._size - self._seg_start, encode_crc32c(self._seg_crc)
 
     def tell(self) -> int:
         return self._size
@@ -72,7 +143,8 @@ class ChecksummingWriter:
 
     @property
     def crc32c(self) -> str:
-        return encode_crc32c(self._crc)
+        whole = crc32c_combine(self._before, self._seg_crc, self._size - self._seg_start)
+        return encode_crc32c(whole)
 
 
 def crc32c_of_chunks(chunks: Iterable[bytes]) -> tuple[int, str]:

@@ -103,6 +103,7 @@ def save(
     storage_options: StorageOptions | None = None,
     retention: RetentionPolicy | None = None,
     async_save: bool = False,
+    overlap_staging: Any = None,
 ) -> str | _async.PendingSave:
     """Write and commit ``root/checkpoint_{step:07d}/``; return its URL.
 
@@ -122,6 +123,14 @@ def save(
     Call :func:`ckpt.close` (or :func:`ckpt.wait_pending`) before destroying the
     process group or exiting.
 
+    ``overlap_staging`` (an optimizer or a list of them; async saves only) moves the
+    staging copy itself to the background thread, so the call returns in
+    milliseconds and the copy overlaps the caller's next forward and backward
+    passes; a step pre-hook makes each given optimizer's next ``step()`` wait until
+    the copy is done (``PendingSave.gate_wait_s`` adds up such waits). The caller
+    promises that nothing but those optimizers' ``step()`` changes the state's
+    tensors in place until then (``PendingSave.wait_staged()`` waits explicitly).
+
     Raises :class:`~ckpt.errors.CheckpointExistsError` if the step is already
     committed, :class:`~ckpt.errors.FencedError` if a newer attempt committed,
     :class:`~ckpt.errors.SaveFailedError` (or a storage error) if any rank failed;
@@ -132,6 +141,7 @@ def save(
         raise TypeError(f"root must be a str URL, got {type(root).__name__}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
+    optimizers = _optimizers(overlap_staging, async_save)
     _async.wait_for_previous(step)
     started = time.monotonic()
     # In the caller's thread: creating the checkpoint group is itself a collective,
@@ -157,7 +167,22 @@ def save(
 
     if not async_save:
         return run(state, None)
-    return _async.submit(state, run, step=step, url=url, started=started)
+    return _async.submit(state, run, step=step, url=url, started=started, overlap_with=optimizers)
+
+
+def _optimizers(overlap_staging: Any, async_save: bool) -> list[torch.optim.Optimizer]:
+    if overlap_staging is None:
+        return []
+    if not async_save:
+        raise ValueError("overlap_staging needs async_save=True (a sync save copies nothing)")
+    given = overlap_staging if isinstance(overlap_staging, list | tuple) else [overlap_staging]
+    for opt in given:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                "overlap_staging takes the torch.optim.Optimizer(s) whose step() changes the "
+                f"saved tensors, got {type(opt).__name__}"
+            )
+    return list(given)
 
 
 def _save_staged(

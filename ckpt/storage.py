@@ -22,9 +22,11 @@ arguments win over the environment, which wins over the defaults):
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +62,10 @@ ENV_EMULATOR_HOST = "STORAGE_EMULATOR_HOST"
 ENV_GCSFS_HNS = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
 
 GCS_UPLOAD_BLOCK_BYTES = 32 << 20
+WRITE_BEHIND_BYTES = 16 << 20
+"""Local writes ask the kernel to start writing back every this many bytes (Linux)."""
+WRITE_PIECE_BYTES = 1 << 20
+"""Local writes pass big buffers to the file in slices of this size."""
 """Upload chunk of a streamed gs:// object (a multiple of 256 KiB, as GCS requires)."""
 
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
@@ -312,6 +318,8 @@ class Storage:
                 self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             with self.fs.open(path, "wb", **self._write_kwargs) as raw:
                 sink = _Truncating(raw) if getattr(_truncate, "active", False) else raw
+                if self._local:
+                    sink = _LocalSink(sink, raw, write_behind=self.options.fsync)
                 stream = ChecksummingWriter(sink)
                 produce(stream)
                 raw.flush()
@@ -508,6 +516,75 @@ class _Truncating:
 
     def flush(self) -> None:
         self._raw.flush()
+
+
+def _load_sync_file_range() -> Callable[[int, int, int], int] | None:
+    """``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)`` from libc, or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    write_flag = 2  # SYNC_FILE_RANGE_WRITE: start writeback, do not wait for it
+    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, write_flag)
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+class _LocalSink:
+    """How shard bytes go to a local file: in pieces, with early writeback.
+
+    - Pieces: one ``write`` of a 64 MB tensor at once took 0.15 s usually but now
+      and then 0.4-2 s here (the same bytes written 1 MiB at a time never did), so
+      big buffers are passed on in ``WRITE_PIECE_BYTES`` slices (no copy).
+    - Writeback: without it every byte of a shard sits dirty in the page cache until
+      the final ``fsync``, which then waits for all of it (write, then flush, in
+      series). Asking the kernel to start writing back each ``WRITE_BEHIND_BYTES``
+      range right away (Linux ``sync_file_range`` with ``SYNC_FILE_RANGE_WRITE``,
+      which does not wait) overlaps the disk with the serialization of the next
+      items, so the closing ``fsync`` (still called, and still what makes the file
+      durable) finds little left to do: 0.23 s -> 0.015 s for a 512 MB shard here.
+    """
+
+    def __init__(self, sink: Any, raw: Any, *, write_behind: bool) -> None:
+        self._sink = sink
+        self._raw = raw
+        self._fd = _fileno(raw) if write_behind and _sync_file_range is not None else None
+        self._started = 0  # bytes whose writeback was requested
+        self._written = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        for offset in range(0, n, WRITE_PIECE_BYTES):
+            self._sink.write(view[offset : offset + WRITE_PIECE_BYTES])
+        self._written += n
+        if self._fd is not None and self._written - self._started >= WRITE_BEHIND_BYTES:
+            self._raw.flush()  # buffered bytes must reach the file before writeback
+            assert _sync_file_range is not None
+            if _sync_file_range(self._fd, self._started, self._written - self._started) == 0:
+                self._started = self._written
+        return n
+
+    def flush(self) -> None:
+        self._sink.flush()
+
+
+def _fileno(handle: Any) -> int | None:
+    for obj in (handle, getattr(handle, "f", None)):
+        fileno = getattr(obj, "fileno", None)
+        if fileno is None:
+            continue
+        try:
+            return int(fileno())
+        except Exception:  # io.UnsupportedOperation and friends
+            continue
+    return None
 
 
 def _fsync(handle: Any) -> None:

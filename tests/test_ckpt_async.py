@@ -224,3 +224,64 @@ def test_two_ranks_train_while_the_previous_step_uploads(tmp_root):
             assert torch.equal(at_save[key], loaded[key]), key
         # Training really changed the parameters after the save step.
         assert any(not torch.equal(at_save[k], out["after"][k]) for k in at_save)
+
+
+def _slow_copies(monkeypatch, delay_s: float) -> None:
+    real = ckpt.async_save._run_copies
+
+    def slow(copies):
+        time.sleep(delay_s)  # the background copy starts late: the race is real
+        real(copies)
+
+    monkeypatch.setattr(ckpt.async_save, "_run_copies", slow)
+
+
+def test_overlap_staging_gates_the_optimizer_step_until_copied(memory_root, monkeypatch):
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _slow_copies(monkeypatch, 0.5)
+
+    started = time.monotonic()
+    pending = ckpt.save(
+        {"model": model.state_dict()}, memory_root, 1, async_save=True, overlap_staging=opt
+    )
+    assert time.monotonic() - started < 0.4  # the copy did not run in the call
+    assert not pending.staged()
+    model(torch.ones(2, 16)).sum().backward()  # forward/backward overlap the copy
+    opt.step()  # changes every parameter in place: must wait for the copy
+    assert pending.staged()
+    assert pending.gate_wait_s > 0.1
+    assert pending.wait(timeout=60)
+
+    blank = {"model": {k: torch.zeros_like(v) for k, v in before.items()}}
+    ckpt.load(blank, memory_root)
+    for key, value in before.items():
+        assert torch.equal(blank["model"][key], value), key  # the pre-step values
+        assert not torch.equal(model.state_dict()[key], value)  # the step did change them
+
+
+def test_overlap_staging_hooks_are_removed_by_the_next_save_and_close(memory_root):
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (1, 2):
+        ckpt.save(
+            {"m": model.state_dict()}, memory_root, step, async_save=True, overlap_staging=[opt]
+        )
+        assert len(opt._optimizer_step_pre_hooks) == 1
+    ckpt.close(timeout=60)
+    assert len(opt._optimizer_step_pre_hooks) == 0
+
+
+def test_overlap_staging_argument_errors(memory_root):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="async_save=True"):
+        ckpt.save(
+            {"m": model.state_dict()},
+            memory_root,
+            1,
+            overlap_staging=torch.optim.SGD(model.parameters(), lr=0.1),
+        )
+    with pytest.raises(TypeError, match="Optimizer"):
+        ckpt.save({"m": model.state_dict()}, memory_root, 1, async_save=True, overlap_staging=model)
+    assert not ckpt.list_checkpoints(memory_root)

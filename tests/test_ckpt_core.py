@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
+import os
 import pickle
 
 import fsspec
@@ -364,3 +366,50 @@ def test_chunk_checksums_cover_every_byte_of_each_shard(tmp_root):
     for offset, length, crc in chunks:
         assert gcs_crc(data[offset : offset + length]) == crc
     assert io.BytesIO(data).read(2) == b"PK" or chunks[0][1] > 0
+
+
+def test_local_writes_start_writeback_early_for_consecutive_ranges(tmp_path, monkeypatch):
+    from ckpt import storage as storage_mod
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(
+        storage_mod, "_sync_file_range", lambda fd, off, n: calls.append((off, n)) or 0
+    )
+    data = os.urandom(3 << 20)
+
+    def produce(stream):
+        for _ in range(12):  # 36 MiB in 3 MiB writes
+            stream.write(memoryview(data))
+
+    record = Storage(str(tmp_path)).write("shard.bin", produce, phase="shard")
+    assert record.size == 36 << 20
+    assert (tmp_path / "shard.bin").read_bytes() == data * 12
+    assert calls and calls[0][0] == 0
+    for (off, n), (next_off, _) in itertools.pairwise(calls):
+        assert next_off == off + n  # no gap, no overlap
+    assert all(n >= storage_mod.WRITE_BEHIND_BYTES for _, n in calls)
+    assert sum(n for _, n in calls) >= 32 << 20
+
+
+def test_local_sink_passes_big_buffers_on_in_pieces():
+    from ckpt import storage as storage_mod
+
+    class Recorder:
+        def __init__(self):
+            self.sizes: list[int] = []
+            self.data = bytearray()
+
+        def write(self, view):
+            self.sizes.append(len(view))
+            self.data += view
+            return len(view)
+
+        def flush(self):
+            pass
+
+    sink = Recorder()
+    local = storage_mod._LocalSink(sink, sink, write_behind=False)
+    data = os.urandom(storage_mod.WRITE_PIECE_BYTES * 2 + 5)
+    assert local.write(data) == len(data)
+    assert sink.sizes == [storage_mod.WRITE_PIECE_BYTES] * 2 + [5]
+    assert bytes(sink.data) == data

@@ -138,8 +138,16 @@ def save_checkpoint(
     }
     if not async_save:
         return ckpt.save(state, root, progress.step, metadata=metadata, on_event=on_event)
+    # The staging copy overlaps the next forward/backward; the optimizer's next step()
+    # waits for it (nothing else in the loop changes parameters or optimizer state).
     pending = ckpt.save(
-        state, root, progress.step, metadata=metadata, on_event=on_event, async_save=True
+        state,
+        root,
+        progress.step,
+        metadata=metadata,
+        on_event=on_event,
+        async_save=True,
+        overlap_staging=optimizer,
     )
     return pending.url
 
