@@ -2,10 +2,22 @@
 
 Run on every rank of a spawned gloo group (see :mod:`bench.spawn`):
 
-- stall rounds: a sync ``ckpt.save`` and an ``async_save=True`` one of the same
-  FSDP2 state, order rotating per round; the async side's time is the call's
-  blocking time (staging into host buffers + the caller-thread part of the
-  protocol), the slowest rank's. Round 0 is the first save (staging buffers are
+- stall rounds: three saves of the same FSDP2 state (the MLP + AdamW), order
+  rotating per round; the sync and the overlapped one are each followed by one
+  training step of that MLP (forward/backward on ``MLP_BATCH`` rows, then
+  ``optimizer.step()``):
+
+  * sync ``ckpt.save``: its time is the denominator (the step after it is the
+    "no save in flight" step time);
+  * ``async_save=True`` (staging in the call): blocked = the call (staging into
+    host buffers + the caller-thread part of the protocol);
+  * ``async_save=True, overlap_staging=optimizer`` (the trainer's setting): the call
+    returns before copying; the copy overlaps the step's forward/backward, and the
+    step's ``optimizer.step()`` waits for it if it is not done. Blocked = the call
+    + that wait (``PendingSave.gate_wait_s``). The step's own time, with and
+    without a save in flight, is reported too (the copy shares the cores).
+
+  Times are the slowest rank's. Round 0 is the first save (staging buffers are
   allocated); later rounds reuse the buffers (steady state).
 - interference rounds: training steps of the trainer's tiny GPT (2 ranks, FSDP2,
   ``trainer.loop.train_step``) with no save, and while an async save of the large
@@ -19,7 +31,12 @@ import shutil
 import time
 from typing import Any
 
+import torch
+
 from bench.fsdp_state import build_trained, local_tensor_bytes, sharded_state
+
+MLP_BATCH = 16
+"""Rows per training step of the saved MLP in the stall rounds."""
 
 
 def _max_over_ranks(x: float) -> float:
@@ -57,8 +74,21 @@ def async_rounds(
     async_block_s: list[float] = []
     async_reported_s: list[float] = []
     async_total_s: list[float] = []
+    overlap_block_s: list[float] = []
+    overlap_call_s: list[float] = []
+    overlap_gate_s: list[float] = []
+    overlap_step_s: list[float] = []
+    plain_step_s: list[float] = []
     root = os.path.join(work, "async")
     step = 0
+    batch = torch.randn(MLP_BATCH, width, generator=torch.Generator().manual_seed(rank))
+
+    def mlp_step() -> float:
+        t0 = time.perf_counter()
+        model(batch).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+        return time.perf_counter() - t0
 
     def sync_save() -> None:
         nonlocal step
@@ -68,6 +98,8 @@ def async_rounds(
         ckpt.save(state, root, step)
         dist.barrier()
         sync_s.append(time.perf_counter() - t0)
+
+        plain_step_s.append(_max_over_ranks(mlp_step()))
 
     def async_save() -> None:
         nonlocal step
@@ -82,9 +114,25 @@ def async_rounds(
         async_block_s.append(_max_over_ranks(blocked))
         async_reported_s.append(_max_over_ranks(pending.blocking_s))
 
-    ops = [sync_save, async_save]
+    def async_overlap() -> None:
+        nonlocal step
+        step += 1
+        dist.barrier()
+        t0 = time.perf_counter()
+        pending = ckpt.save(state, root, step, async_save=True, overlap_staging=optim)
+        call = time.perf_counter() - t0
+        step_s = mlp_step()  # forward/backward overlap the copy; optimizer.step() is gated
+        blocked = call + pending.gate_wait_s
+        pending.wait()
+        dist.barrier()
+        overlap_block_s.append(_max_over_ranks(blocked))
+        overlap_call_s.append(_max_over_ranks(call))
+        overlap_gate_s.append(_max_over_ranks(pending.gate_wait_s))
+        overlap_step_s.append(_max_over_ranks(step_s))
+
+    ops = [sync_save, async_save, async_overlap]
     for i in range(rounds + 1):
-        for op in ops[i % 2 :] + ops[: i % 2]:
+        for op in ops[i % 3 :] + ops[: i % 3]:
             op()
         dist.barrier()
         if rank == 0:
@@ -144,6 +192,12 @@ def async_rounds(
         "async_block_s": async_block_s,
         "async_reported_s": async_reported_s,
         "async_total_s": async_total_s,
+        "overlap_block_s": overlap_block_s,
+        "overlap_call_s": overlap_call_s,
+        "overlap_gate_s": overlap_gate_s,
+        "overlap_step_s": overlap_step_s,
+        "plain_step_s": plain_step_s,
+        "mlp_batch": MLP_BATCH,
         "quiet_steps_s": _gather(quiet),
         "busy_steps_s": _gather(busy),
         "persist_s": persist_s,

@@ -207,7 +207,7 @@ def _lower_thread_priority() -> None:
         pass
 
 
-_NICE = int(os.environ.get("CKPT_SAVE_THREAD_NICE", "10"))
+_NICE = int(os.environ.get("CKPT_SAVE_THREAD_NICE", "19"))
 
 
 def wait_for_previous(step: int | None = None) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from ckpt.errors import CorruptCheckpointError, ObjectNotFoundError, StateMismat
 from ckpt.layout import DCP_METADATA_NAME
 from ckpt.manifest import Manifest
 from ckpt.storage import Storage
+from ckpt.tensorblob import view_tensor
 
 # Coalesce neighbouring items into one ranged request up to this many bytes.
 MAX_READ_SPAN_BYTES = 64 << 20
@@ -159,31 +161,48 @@ class ShardReader(StorageReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
                 item
             )
+        spans: list[tuple[str, int, int, list[ReadItem]]] = []
         for path, items in per_file.items():
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
-            for start, end, span_items in self._spans(items):
-                data = self.ckpt_dir.read_range(path, start, end)
-                self.bytes_read += end - start
-                verified: set[int] = set()
-                for item in span_items:
-                    info = self.storage_data[item.storage_index]
-                    # An item filling its span (the usual large tensor) is used as the
-                    # bytes object itself: no copy for the checksum or for BytesIO.
-                    whole = info.offset == start and info.length == len(data)
-                    piece = (
-                        data
-                        if whole
-                        else memoryview(data)[
-                            info.offset - start : info.offset - start + info.length
-                        ]
-                    )
-                    if info.offset not in verified:
-                        self._verify_item(path, info.offset, piece)
-                        verified.add(info.offset)
-                    self._deliver(item, piece, planner)
+            spans.extend((path, start, end, group) for start, end, group in self._spans(items))
+        # One span is read ahead while the previous one is verified and decoded, so
+        # the disk (or network) and the CPU work overlap; at most two spans in memory.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-read-ahead") as pool:
+            ahead = pool.submit(self._read_span, *spans[0][:3]) if spans else None
+            for i, (path, start, _end, span_items) in enumerate(spans):
+                assert ahead is not None
+                data = ahead.result()
+                ahead = (
+                    pool.submit(self._read_span, *spans[i + 1][:3]) if i + 1 < len(spans) else None
+                )
+                self._use_span(path, start, data, span_items, planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read_span(self, path: str, start: int, end: int) -> bytes:
+        data = self.ckpt_dir.read_range(path, start, end)
+        self.bytes_read += end - start
+        return data
+
+    def _use_span(
+        self, path: str, start: int, data: bytes, span_items: list[ReadItem], planner: LoadPlanner
+    ) -> None:
+        verified: set[int] = set()
+        for item in span_items:
+            info = self.storage_data[item.storage_index]
+            # An item filling its span (the usual large tensor) is used as the
+            # bytes object itself: no copy for the checksum or for BytesIO.
+            whole = info.offset == start and info.length == len(data)
+            piece = (
+                data
+                if whole
+                else memoryview(data)[info.offset - start : info.offset - start + info.length]
+            )
+            if info.offset not in verified:
+                self._verify_item(path, info.offset, piece)
+                verified.add(info.offset)
+            self._deliver(item, piece, planner)
 
     def _spans(self, items: list[ReadItem]) -> Iterator[tuple[int, int, list[ReadItem]]]:
         """Group offset-sorted items into contiguous byte ranges of bounded size."""
@@ -225,7 +244,11 @@ class ShardReader(StorageReader):
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(piece))
             return
-        tensor = torch.load(io.BytesIO(piece), map_location="cpu", weights_only=True)
+        # A view of the bytes just read where the item is a plain tensor (no second
+        # allocation and copy); torch.load for anything else.
+        tensor = view_tensor(piece)
+        if tensor is None:
+            tensor = torch.load(io.BytesIO(piece), map_location="cpu", weights_only=True)
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
