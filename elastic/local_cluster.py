@@ -137,7 +137,7 @@ class ElasticJob:
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nnodes}", "--nproc_per_node=1", f"--max_restarts={self.max_restarts}",
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{self.port}", f"--rdzv_id={self.rdzv_id}",
-            f"--rdzv_conf={RDZV_CONF}", "--monitor_interval=0.5", "--local_addr=127.0.0.1",
+            f"--rdzv_conf={RDZV_CONF}", "--monitor_interval=0.1", "--local_addr=127.0.0.1",
             "-m", self.module, *self.trainer_args, *(extra_args or []),
             "--ckpt-dir", self.ckpt_dir, "--run-dir", self.run_dir,
         ]  # fmt: skip
