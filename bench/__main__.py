@@ -48,6 +48,9 @@ class Mode:
     """Steps per trainer / plain-loop run (trainer_overhead); the first 5 are warm-up."""
     elastic_runs: int
     """2-agent torchrun jobs with 3 kills each (restart_overhead, ettr); 0: not run."""
+    spawn_rounds: int
+    """Rounds of the measurements that spawn processes per sample (reshard loads,
+    trainer vs plain-loop runs): each costs a process start per side."""
 
 
 QUICK = Mode(
@@ -55,10 +58,11 @@ QUICK = Mode(
     total_bytes=64 << 20,
     rounds=3,
     timeout_s=150,
-    persist_bytes=256 << 20,
+    persist_bytes=128 << 20,
     gcs_bytes=64 << 20,
     train_steps=15,
     elastic_runs=0,
+    spawn_rounds=2,
 )
 FULL = Mode(
     name="full",
@@ -69,6 +73,7 @@ FULL = Mode(
     gcs_bytes=256 << 20,
     train_steps=45,
     elastic_runs=2,
+    spawn_rounds=5,
 )
 WARMUP_STEPS = 5
 KILL_STEPS = [20, 45, 70]
@@ -94,7 +99,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"64 MB state instead of 1 GB, {QUICK.rounds} rounds instead of {FULL.rounds}, "
+        help=f"64 MB state instead of 1 GB, {QUICK.rounds} rounds instead of {FULL.rounds} "
+        f"({QUICK.spawn_rounds} instead of {FULL.spawn_rounds} for reshard_load and "
+        "trainer_overhead, which start processes per sample), "
         "smaller async/gcs states, shorter training runs; restart_overhead and ettr are "
         "not measured (full mode only)",
     )
@@ -180,7 +187,7 @@ def _reshard(work: str, mode: Mode) -> list[m.Metric]:
     width = layer_width(mode.total_bytes)
     saved = run_on_ranks(reshard_save, RESHARD_FROM, work, width, timeout_s=mode.timeout_s)[0]
     loads: list[dict[str, Any]] = []
-    for i in range(mode.rounds):
+    for i in range(mode.spawn_rounds):
         worlds = (RESHARD_FROM, RESHARD_TO) if i % 2 == 0 else (RESHARD_TO, RESHARD_FROM)
         for world in worlds:
             out = run_on_ranks(
@@ -208,7 +215,7 @@ def _overhead(work: str, mode: Mode) -> list[m.Metric]:
     plain_rates: list[float] = []
     exits: list[int] = []
     reasons: list[str] = []
-    for i in range(mode.rounds):
+    for i in range(mode.spawn_rounds):
         for side in ("trainer", "plain") if i % 2 == 0 else ("plain", "trainer"):
             if side == "trainer":
                 ends, rc, why = trainer_run(work, mode.train_steps, timeout_s=mode.timeout_s)
