@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ckpt import async_save as _async
 from ckpt import faults
@@ -46,7 +45,7 @@ from ckpt.layout import COMPLETE_NAME, MANIFEST_NAME, checkpoint_dirname
 from ckpt.manifest import Attempt, CompleteMarker, FileEntry, Manifest
 from ckpt.retention import RetentionPolicy, apply_retention
 from ckpt.storage import Storage, StorageOptions
-from ckpt.writer import ShardWriter
+from ckpt.writer import BlockSavePlanner, ShardWriter
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +219,7 @@ def _save_staged(
             dcp.save(
                 state,
                 storage_writer=writer,
-                planner=DefaultSavePlanner(),
+                planner=BlockSavePlanner(),
                 process_group=coll.group,
                 no_dist=not coll.distributed,
             )

@@ -16,21 +16,121 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
+import math
+import os
 import pickle
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckpt.checksum import ChecksummingWriter
 from ckpt.layout import DCP_METADATA_NAME, shard_filename
 from ckpt.storage import FileRecord, Storage
+
+SAVE_BLOCK_BYTES = 8 << 20
+"""Tensor shards larger than this are saved as several DCP chunks of whole rows
+(``CKPT_SAVE_BLOCK_BYTES`` overrides it)."""
+
+
+def save_block_bytes() -> int:
+    raw = os.environ.get("CKPT_SAVE_BLOCK_BYTES")
+    if raw is None:
+        return SAVE_BLOCK_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(
+            f"CKPT_SAVE_BLOCK_BYTES={raw!r}: expected a positive number of bytes "
+            f"(default {SAVE_BLOCK_BYTES})"
+        )
+    return value
+
+
+class BlockSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with large tensor shards cut into row blocks.
+
+    Each block is its own DCP chunk (and item in the shard file, with its own
+    crc32c), so a load into another world size reads only the blocks that overlap
+    its shards: with one item per shard, a rank needing a few rows of a
+    neighbour's shard had to read (and checksum) all of it, since a crc32c covers
+    a whole item. Blocks are row ranges along dim 0 of at most
+    ``SAVE_BLOCK_BYTES`` (at least one row); smaller or 0-d tensors stay whole.
+    Plain ``dcp.load`` reads such checkpoints (several chunks per tensor are
+    ordinary DCP metadata).
+    """
+
+    def __init__(self, block_bytes: int | None = None) -> None:
+        super().__init__()
+        self.block_bytes = save_block_bytes() if block_bytes is None else block_bytes
+        self._blocks: dict[MetadataIndex, tuple[MetadataIndex, int, int]] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        self._blocks = {}
+        items: list[WriteItem] = []
+        for item in plan.items:
+            items.extend(self._split(item))
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def _split(self, item: WriteItem) -> list[WriteItem]:
+        data = item.tensor_data
+        if item.type == WriteItemType.BYTE_IO or data is None or len(data.chunk.sizes) == 0:
+            return [item]
+        sizes = list(data.chunk.sizes)
+        row_bytes = math.prod(sizes[1:]) * data.properties.dtype.itemsize
+        if sizes[0] <= 1 or row_bytes == 0 or sizes[0] * row_bytes <= self.block_bytes:
+            return [item]
+        rows = max(1, self.block_bytes // row_bytes)
+        out = []
+        for first in range(0, sizes[0], rows):
+            n = min(rows, sizes[0] - first)
+            offsets = torch.Size([data.chunk.offsets[0] + first, *data.chunk.offsets[1:]])
+            block_sizes = torch.Size([n, *sizes[1:]])
+            index = MetadataIndex(item.index.fqn, offsets)
+            self._blocks[index] = (item.index, first, n)
+            out.append(
+                WriteItem(
+                    index=index,
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=block_sizes),
+                        properties=data.properties,
+                        size=data.size,
+                    ),
+                )
+            )
+        return out
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        block = self._blocks.get(write_item.index)
+        if block is None:
+            return super().resolve_data(write_item)
+        whole_index, first, n = block
+        tensor = self.lookup_object(whole_index)
+        return self.transform_object(write_item, tensor.narrow(0, first, n))
 
 
 class ShardWriter(StorageWriter):
@@ -145,8 +245,23 @@ def _write_item(stream: ChecksummingWriter, item: WriteItem, data: Any) -> None:
     tensor: torch.Tensor = data.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    # torch.save writes a tensor's whole storage: a view into a larger buffer (FSDP2
-    # shards are views into padded storage) would drag the rest of that buffer along.
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    torch.save(tensor, stream)
+    torch.save(_own_storage(tensor), stream)
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on a storage holding exactly its bytes (what ``torch.save`` writes).
+
+    ``torch.save`` writes a tensor's whole storage: a view into a larger buffer (a
+    row block of a shard, an FSDP2 shard inside its padded storage) would drag the
+    rest of that buffer along. A contiguous view gets a storage *slice* (same
+    memory, no copy); anything else is cloned.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == nbytes:
+        return tensor
+    if not tensor.is_contiguous():
+        return tensor.clone()
+    start = tensor.storage_offset() * tensor.element_size()
+    exact = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return exact.set_(storage[start : start + nbytes], 0, tensor.size(), tensor.stride())

@@ -413,3 +413,44 @@ def test_local_sink_passes_big_buffers_on_in_pieces():
     assert local.write(data) == len(data)
     assert sink.sizes == [storage_mod.WRITE_PIECE_BYTES] * 2 + [5]
     assert bytes(sink.data) == data
+
+
+def test_large_tensors_are_saved_as_row_blocks_that_plain_dcp_reads(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    monkeypatch.setenv("CKPT_SAVE_BLOCK_BYTES", "2000")  # 10 rows of 50 fp32 per block
+    torch.manual_seed(0)
+    state = {
+        "big": torch.randn(305, 50),
+        "transposed": torch.randn(50, 305).t(),  # not contiguous: blocks are cloned
+        "small": torch.randn(7),
+        "scalar": torch.tensor(1.5),
+        "n": 3,
+    }
+    root = str(tmp_path)
+    ckpt.save(state, root, 1)
+    info = ckpt.find_latest_committed(root)
+    n_items = sum(len(c) for c in info.manifest.chunks.values())
+    assert n_items == 31 + 31 + 1 + 1 + 1
+    blank = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+    ckpt.load(blank, root)
+    plain = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    dcp.load(plain, checkpoint_id=f"{root}/{info.dirname}")
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(blank[key], value) and torch.equal(plain[key], value), key
+    assert blank["n"] == 3
+
+
+def test_row_block_views_share_memory_instead_of_copying():
+    from ckpt.writer import _own_storage
+
+    base = torch.arange(100.0).reshape(20, 5)
+    block = base.narrow(0, 4, 6)
+    exact = _own_storage(block)
+    assert exact.data_ptr() == block.data_ptr()  # same memory
+    assert exact.untyped_storage().nbytes() == 6 * 5 * 4  # a storage of just these rows
+    assert torch.equal(exact, block)
+    buf = io.BytesIO()
+    torch.save(exact, buf)
+    assert torch.load(io.BytesIO(buf.getvalue())).untyped_storage().nbytes() == 120
