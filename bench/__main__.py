@@ -154,28 +154,18 @@ def why_missing(name: str, selected: tuple[str, ...], errors: dict[str, list[str
     return "not measured (see stderr)"
 
 
+def _rounds_on_ranks(fn: Callable[..., Any], work: str, mode: Mode) -> dict[str, Any]:
+    """``fn(rank, world, work, width, rounds)`` on RANKS spawned ranks; rank 0's result."""
+    width = layer_width(mode.total_bytes)
+    return run_on_ranks(fn, RANKS, work, width, mode.rounds, timeout_s=mode.timeout_s)[0]
+
+
 def _save(work: str, mode: Mode) -> list[m.Metric]:
-    raw = run_on_ranks(
-        save_rounds,
-        RANKS,
-        work,
-        layer_width(mode.total_bytes),
-        mode.rounds,
-        timeout_s=mode.timeout_s,
-    )[0]
-    return m.save_metrics(raw)
+    return m.save_metrics(_rounds_on_ranks(save_rounds, work, mode))
 
 
 def _load(work: str, mode: Mode) -> list[m.Metric]:
-    raw = run_on_ranks(
-        load_rounds,
-        RANKS,
-        work,
-        layer_width(mode.total_bytes),
-        mode.rounds,
-        timeout_s=mode.timeout_s,
-    )[0]
-    return [m.load_metric(raw)]
+    return [m.load_metric(_rounds_on_ranks(load_rounds, work, mode))]
 
 
 def _reshard(work: str, mode: Mode) -> list[m.Metric]:
