@@ -9,10 +9,12 @@ and an error is raised, so a hang fails instead of stalling.
 from __future__ import annotations
 
 import datetime
+import logging
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -43,6 +45,7 @@ def _entry(
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     import torch.distributed as dist
 
+    code = 0
     try:
         dist.init_process_group(
             "gloo",
@@ -57,13 +60,23 @@ def _entry(
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
-        raise SystemExit(1) from None
+        code = 1
     finally:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:
                 pass
+        # Leave without interpreter teardown, as the trainer does: now and then a C++
+        # abort at exit ("terminate called without an active exception", SIGABRT) turned
+        # a rank that had finished and sent its result into a failed one. The result
+        # must be out of the queue's feeder thread first.
+        results.close()
+        results.join_thread()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def run_ranks(
