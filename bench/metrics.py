@@ -158,20 +158,36 @@ def save_metrics(raw: dict[str, Any]) -> list[Metric]:
     ]
 
 
+def _throughput_ratio(
+    ours_bytes: int,
+    ours_samples: list[float],
+    base: str,
+    base_bytes: int,
+    base_samples: list[float],
+) -> tuple[float, dict[str, Any]]:
+    """ours bytes/s / ``base`` bytes/s from the medians of steady-state samples, and the
+    detail fields both sides share (``{side}_MBps``, ``{side}_median_s``, samples)."""
+    ours_s, base_s = _median(ours_samples), _median(base_samples)
+    ours_bps, base_bps = ours_bytes / ours_s, base_bytes / base_s
+    return ours_bps / base_bps, {
+        "ours_MBps": _r(ours_bps / 1e6, 1),
+        f"{base}_MBps": _r(base_bps / 1e6, 1),
+        "ours_median_s": _r(ours_s),
+        f"{base}_median_s": _r(base_s),
+    }
+
+
 def load_metric(raw: dict[str, Any]) -> Metric:
     """load_vs_disk from :func:`bench.rounds.load_rounds` (cold loads vs cold ``dd`` reads)."""
     t = raw["times"]
-    cold_ours, cold_dd = _median(t["cold_ours"]), _median(t["cold_dd"])
-    ours_bps = raw["total_bytes"] / cold_ours
-    dd_bps = raw["shard_bytes"] / cold_dd
+    value, shared = _throughput_ratio(
+        raw["total_bytes"], t["cold_ours"], "dd", raw["shard_bytes"], t["cold_dd"]
+    )
     return Metric(
         name="load_vs_disk",
-        value=ours_bps / dd_bps,
+        value=value,
         detail={
-            "ours_MBps": _r(ours_bps / 1e6, 1),
-            "dd_MBps": _r(dd_bps / 1e6, 1),
-            "ours_median_s": _r(cold_ours),
-            "dd_median_s": _r(cold_dd),
+            **shared,
             "ours_samples_s": [_r(x) for x in t["cold_ours"]],
             "dd_samples_s": [_r(x) for x in t["cold_dd"]],
             "checkpoint_bytes": raw["total_bytes"],
@@ -304,17 +320,14 @@ def overhead_metric(trainer_rates: list[float], plain_rates: list[float], **extr
 
 
 def gcs_metric(raw: dict[str, Any]) -> Metric:
-    ours_s, pipe_s = _median(raw["ours_s"][1:]), _median(raw["pipe_s"][1:])
-    ours_bps = raw["ours_bytes"][-1] / ours_s
-    pipe_bps = raw["pipe_bytes"] / pipe_s
+    value, shared = _throughput_ratio(
+        raw["ours_bytes"][-1], raw["ours_s"][1:], "pipe", raw["pipe_bytes"], raw["pipe_s"][1:]
+    )
     return Metric(
         name="gcs_save_vs_pipe",
-        value=ours_bps / pipe_bps,
+        value=value,
         detail={
-            "ours_MBps": _r(ours_bps / 1e6, 1),
-            "pipe_MBps": _r(pipe_bps / 1e6, 1),
-            "ours_median_s": _r(ours_s),
-            "pipe_median_s": _r(pipe_s),
+            **shared,
             "ours_first_save_s": _r(raw["ours_s"][0]),
             "ours_samples_s": [_r(x) for x in raw["ours_s"]],
             "pipe_samples_s": [_r(x) for x in raw["pipe_s"]],
