@@ -1,12 +1,20 @@
 """Verification of a committed checkpoint against its manifest.
 
-- fast: every file listed in the manifest exists with the right size, and where
-  the backend reports an object crc32c (GCS) it equals the manifest's. One
-  listing call, no download.
-- deep: additionally reads every file in bounded chunks and checksums it.
+Three modes (:data:`MODES`); every one checks that each file listed in the manifest
+exists with the manifest's size:
 
-A problem names the file and says what is wrong; :func:`check` raises
-:class:`~ckpt.errors.CorruptCheckpointError` for the first one.
+- ``fast``: plus, where the backend reports an object crc32c (GCS), that it equals
+  the manifest's. One listing call, no download. On a backend without server-side
+  checksums (local files, ``file://``, ``memory://``) this checks sizes only:
+  :attr:`VerifyReport.sizes_only` counts the files whose contents nobody checked.
+  ``ckpt.load`` uses this mode (it then checks every item's crc32c as it reads).
+- ``checksum``: the object crc32c where the backend reports one, otherwise reads the
+  file in bounded chunks and checksums it: every file's contents are checked, with
+  no download on GCS. What ``python -m ckpt verify`` does by default.
+- ``deep``: reads and checksums every file, whatever the backend reports.
+
+A problem names the file and says what is wrong; :meth:`VerifyReport.raise_if_bad`
+raises :class:`~ckpt.errors.CorruptCheckpointError` for the first one.
 """
 
 from __future__ import annotations
@@ -21,6 +29,11 @@ from ckpt.storage import Storage, crc32c_of_object
 
 logger = logging.getLogger(__name__)
 
+MODE_FAST = "fast"
+MODE_CHECKSUM = "checksum"
+MODE_DEEP = "deep"
+MODES = (MODE_FAST, MODE_CHECKSUM, MODE_DEEP)
+
 
 @dataclass(slots=True, kw_only=True)
 class VerifyReport:
@@ -29,9 +42,15 @@ class VerifyReport:
     url: str
     step: int
     deep: bool
+    mode: str = MODE_FAST
     files_checked: int = 0
+    """Files that passed every check the mode asked for."""
     bytes_checked: int = 0
+    """Bytes read and checksummed."""
     crc_checked: int = 0
+    """Files whose crc32c was compared with the manifest's (object crc32c or bytes read)."""
+    sizes_only: int = 0
+    """Files that passed with only their size checked: contents not verified."""
     problems: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -52,9 +71,23 @@ class VerifyReport:
             )
 
 
-def verify_dir(ckpt_dir: Storage, manifest: Manifest, *, deep: bool = False) -> VerifyReport:
-    """Verify the checkpoint rooted at ``ckpt_dir`` against ``manifest``."""
-    report = VerifyReport(url=ckpt_dir.root_url, step=manifest.step, deep=deep)
+def verify_dir(
+    ckpt_dir: Storage, manifest: Manifest, *, deep: bool = False, mode: str | None = None
+) -> VerifyReport:
+    """Verify the checkpoint rooted at ``ckpt_dir`` against ``manifest``.
+
+    ``mode`` is one of :data:`MODES`; when not given it is ``deep`` if ``deep`` is
+    true, else ``fast`` (see the module docstring).
+    """
+    if mode is None:
+        mode = MODE_DEEP if deep else MODE_FAST
+    elif mode not in MODES:
+        raise ValueError(f"verify mode must be one of {', '.join(MODES)}, not {mode!r}")
+    elif deep and mode != MODE_DEEP:
+        raise ValueError(f"deep=True contradicts mode={mode!r}")
+    report = VerifyReport(
+        url=ckpt_dir.root_url, step=manifest.step, deep=mode == MODE_DEEP, mode=mode
+    )
     if manifest.file(DCP_METADATA_NAME) is None:
         report.problems.append((DCP_METADATA_NAME, "not listed in manifest.json"))
     try:
@@ -74,14 +107,13 @@ def verify_dir(ckpt_dir: Storage, manifest: Manifest, *, deep: bool = False) -> 
             )
             continue
         remote_crc = meta.get("crc32c")
-        if remote_crc:
+        if remote_crc and remote_crc != entry.crc32c:
             report.crc_checked += 1
-            if remote_crc != entry.crc32c:
-                report.problems.append(
-                    (entry.path, f"object crc32c {remote_crc} != manifest {entry.crc32c}")
-                )
-                continue
-        if deep:
+            report.problems.append(
+                (entry.path, f"object crc32c {remote_crc} != manifest {entry.crc32c}")
+            )
+            continue
+        if mode == MODE_DEEP or (mode == MODE_CHECKSUM and not remote_crc):
             try:
                 _, crc = crc32c_of_object(ckpt_dir, entry.path)
             except StorageError as exc:
@@ -94,5 +126,9 @@ def verify_dir(ckpt_dir: Storage, manifest: Manifest, *, deep: bool = False) -> 
                     (entry.path, f"crc32c of the bytes is {crc}, manifest says {entry.crc32c}")
                 )
                 continue
+        elif remote_crc:
+            report.crc_checked += 1
+        else:
+            report.sizes_only += 1
         report.files_checked += 1
     return report

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -66,18 +67,60 @@ def test_verify_exit_codes(populated, capsys):
     assert main(["verify", "--deep", "--step", "20", populated]) == 0
     assert main(["verify", "--step", "40", populated]) == 1  # partial: not committed
     assert "not committed" in capsys.readouterr().out
-    shard = os.path.join(populated, "checkpoint_0000030", "rank_00000.distcp")
-    with open(shard, "r+b") as f:
-        f.seek(300)
-        byte = f.read(1)
-        f.seek(300)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    assert main(["verify", populated]) == 0  # fast: same size, no object crc on local disk
-    capsys.readouterr()
+    flip_byte(os.path.join(populated, "checkpoint_0000030", "rank_00000.distcp"))
+    assert main(["verify", "--fast", populated]) == 0  # same size, no object crc on local disk
+    assert "sizes only" in capsys.readouterr().out
     assert main(["verify", "--deep", populated]) == 1
     out = capsys.readouterr().out
     assert out.startswith("FAIL") and "rank_00000.distcp" in out and "crc32c" in out
     assert main(["verify", os.path.join(populated, "checkpoint_0000010")]) == 0  # a directory URL
+
+
+def flip_byte(path, offset=300):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_default_verify_of_a_clean_local_checkpoint_checks_contents(populated, capsys):
+    assert main(["verify", populated]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK    ") and "sizes only" not in out
+    checked = int(re.search(r"(\d+) crc32c checked", out).group(1))
+    files = len(ckpt.find_latest_committed(populated).manifest.files)
+    assert checked == files > 0
+    assert "checksum: " in out and " 0 B read" not in out
+
+
+def test_default_verify_fails_on_a_flipped_byte_and_names_the_file(populated, capsys):
+    flip_byte(os.path.join(populated, "checkpoint_0000030", "rank_00000.distcp"))
+    assert main(["verify", populated]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL") and "OK" not in out
+    assert "rank_00000.distcp" in out and "crc32c" in out
+    assert main(["verify", "--step", "20", populated]) == 0  # the other steps are intact
+    capsys.readouterr()
+    # The module entry point, as a person runs it.
+    result = subprocess.run(
+        [sys.executable, "-m", "ckpt", "verify", populated],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "rank_00000.distcp" in result.stdout
+
+
+def test_fast_verify_says_sizes_only(populated, capsys):
+    flip_byte(os.path.join(populated, "checkpoint_0000030", "rank_00000.distcp"))
+    assert main(["verify", "--fast", populated]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK (sizes only, contents not checked) ")
+    assert "0 crc32c checked" in out and "fast: " in out
+    with pytest.raises(SystemExit) as exc:  # argparse: --fast and --deep exclude each other
+        main(["verify", "--fast", "--deep", populated])
+    assert exc.value.code == 2
+    assert "not allowed with" in capsys.readouterr().err
 
 
 def test_verify_and_inspect_of_an_empty_root_exit_1(tmp_root, capsys):

@@ -10,7 +10,14 @@ import sys
 import pytest
 
 from trainer.__main__ import main as trainer_main
-from trainer.report import RunReportError, format_summary, load_run_dir, main, summarize
+from trainer.report import (
+    RunReportError,
+    format_summary,
+    load_run_dir,
+    main,
+    summarize,
+    timeline_marks,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -184,6 +191,71 @@ def test_cli_subcommand_writes_png(tmp_path):
     assert "goodput        100.0 %" in ok.stdout
     with open(os.path.join(run_dir, "timeline.png"), "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def write_rank_events(run_dir, rank, events):
+    with open(os.path.join(run_dir, f"events.rank{rank}.jsonl"), "a") as fh:
+        fh.writelines(json.dumps({**e, "rank": rank}) + "\n" for e in events)
+
+
+def test_rank_event_files_are_merged_counted_and_drawn(tmp_path, capsys):
+    # ONE_RESTART, but the fault was injected on rank 1: rank 0's events.jsonl has none.
+    metrics, events = ONE_RESTART
+    rank0 = [e for e in events if e["event"] != "fault"]
+    run_dir = str(tmp_path / "run")
+    write_run(run_dir, metrics, rank0)
+    write_rank_events(run_dir, 1, [ev("fault", 9, 8.05, spec="kill:step=9,rank=1")])
+    write_rank_events(run_dir, 3, [ev("failure", 9, 8.5, error="NCCL timeout"),
+                                   ev("watchdog_stall", 9, 8.6)])  # fmt: skip
+
+    loaded_metrics, merged = load_run_dir(run_dir)
+    times = [e["time"] for e in merged]
+    assert times == sorted(times) and len(merged) == len(rank0) + 3
+    assert [(e["event"], e["rank"]) for e in merged if e["event"] in {"fault", "failure"}] == [
+        ("fault", 1),
+        ("failure", 3),
+    ]
+    assert all(e["rank"] == 0 for e in merged if e["event"] == "start")  # default: file's rank
+
+    summary = summarize(loaded_metrics, merged)
+    assert summary.faults_injected == 1 and summary.fault_ranks == [1]
+    assert summary.failures == 1 and summary.watchdog_stalls == 1
+    assert summary.event_ranks == [0, 1, 3]
+    assert not summary.notes  # the restart is explained by the fault
+    text = format_summary(summary)
+    assert "1 injected (on rank 1)" in text
+    assert "1 reported, 1 watchdog stall" in text and "events from ranks 0, 1, 3" in text
+
+    marks = timeline_marks(merged, summary.start_time)
+    assert marks["fault"] == [(pytest.approx(8.05), 9, 1)]
+    assert [rank for _, _, rank in marks["failure"]] == [3]
+    assert [rank for _, _, rank in marks["watchdog"]] == [3]
+
+    assert main([run_dir, "--json"]) == 0  # draws timeline.png with the rank-1 fault on it
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["faults_injected"] == 1 and payload["fault_ranks"] == [1]
+    assert payload["failures"] == 1
+    with open(os.path.join(run_dir, "timeline.png"), "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert main([run_dir, "--no-plot"]) == 0
+    assert "faults         1 injected (on rank 1)" in capsys.readouterr().out
+
+
+def test_faults_from_two_ranks_are_two_events(tmp_path):
+    metrics, events = ONE_RESTART  # its fault event (no rank field) is in rank 0's file
+    run_dir = str(tmp_path / "run")
+    write_run(run_dir, metrics, events)
+    write_rank_events(run_dir, 1, [ev("fault", 9, 8.05, spec="kill:step=9")])
+    summary = summarize(*load_run_dir(run_dir))
+    assert summary.faults_injected == 2 and summary.fault_ranks == [0, 1]
+    assert "2 injected (on ranks 0, 1)" in format_summary(summary)
+
+
+def test_restart_without_any_recorded_fault_has_a_note():
+    metrics, events = ONE_RESTART
+    summary = summarize(metrics, [e for e in events if e["event"] != "fault"])
+    assert summary.faults_injected == 0 and summary.fault_ranks == []
+    assert any("records nothing" in note for note in summary.notes)
 
 
 def test_cli_missing_dir_exits_2(tmp_path, capsys):

@@ -1,9 +1,11 @@
 """Run report: ``python -m trainer report RUN_DIR [--out PNG] [--json] [--no-plot]``.
 
 Reads the ``metrics.jsonl`` and ``events.jsonl`` that global rank 0 wrote into a run
-directory (possibly several torchrun attempts appended to the same files), and
-prints what happened: steps, restarts, world sizes over time, checkpoints, time lost
-to failures and goodput. It also draws a goodput timeline PNG.
+directory (possibly several torchrun attempts appended to the same files), merged
+with the ``events.rank{R}.jsonl`` of the other ranks (faults, failures, watchdog and
+detector verdicts they recorded), and prints what happened: steps, restarts, world
+sizes over time, checkpoints, faults and failures on any rank, time lost to failures
+and goodput. It also draws a goodput timeline PNG.
 
 :func:`summarize` is pure (lists of dicts in, :class:`RunSummary` out) so it can be
 tested table-driven; reading files and plotting live apart. matplotlib is imported
@@ -14,20 +16,33 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import itertools
 import json
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.metrics import EVENTS_FILE, METRICS_FILE
+from trainer.metrics import EVENTS_FILE, METRICS_FILE, RANK_EVENTS_GLOB
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PLOT_NAME = "timeline.png"
 """File name of the timeline written into the run directory when ``--out`` is not given."""
+
+_RANK_EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
+
+FAULT_EVENTS = frozenset({"fault"})
+"""A fault injected on purpose (``--inject``), on whichever rank recorded it."""
+FAILURE_EVENTS = frozenset({"failure", "rank_failure", "error"})
+"""A rank reporting its own failure (an exception that ends its attempt)."""
+WATCHDOG_EVENTS = frozenset({"watchdog", "watchdog_stall", "stall"})
+"""The hang watchdog giving up on a rank."""
+DETECTOR_EVENTS = frozenset({"stragglers", "straggler"})
+"""The straggler detector's verdict."""
 
 
 class RunReportError(ValueError):
@@ -90,6 +105,7 @@ class RunSummary:
     emergency_checkpoints: int
     checkpoints_failed: int
     faults_injected: int
+    """``fault`` events from every rank (one per rank that recorded one, not deduplicated)."""
     fallbacks: int
     preemptions: int
     downtime_s: float
@@ -104,6 +120,16 @@ class RunSummary:
     """Unix time that every ``*_s`` offset counts from."""
     finished: bool
     """True when an ``finished`` event reached the final step."""
+    failures: int = 0
+    """Events in :data:`FAILURE_EVENTS`, from every rank."""
+    watchdog_stalls: int = 0
+    """Events in :data:`WATCHDOG_EVENTS`, from every rank."""
+    straggler_reports: int = 0
+    """Events in :data:`DETECTOR_EVENTS`, from every rank."""
+    fault_ranks: list[int] = field(default_factory=list)
+    """Rank of each fault event, in time order (-1 when an event names no rank)."""
+    event_ranks: list[int] = field(default_factory=list)
+    """Ranks that recorded at least one event, ascending."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -183,8 +209,20 @@ def is_emergency(event: dict[str, Any], emergency_steps: set[int]) -> bool:
     return bool(event.get("emergency")) or int(event.get("step", -1)) in emergency_steps
 
 
+def event_rank(event: dict[str, Any]) -> int:
+    """The rank that recorded ``event`` (its ``rank`` field; -1 when absent or not a number)."""
+    try:
+        return int(event.get("rank", -1))
+    except (TypeError, ValueError):
+        return -1
+
+
+def _count(events: list[dict[str, Any]], names: frozenset[str]) -> int:
+    return sum(e.get("event") in names for e in events)
+
+
 def summarize(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> RunSummary:
-    """Summarize one run from its metrics rows and events, both in file order.
+    """Summarize one run from its metrics rows and events (every rank's, by time).
 
     Raises :class:`RunReportError` when there are no metrics rows (nothing ran).
     """
@@ -209,9 +247,15 @@ def summarize(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> Ru
     emergency_steps = _emergency_steps(events)
     durations = [float(e["duration_s"]) for e in saved if "duration_s" in e]
     final_step = int(metrics[-1]["step"])
+    faults = [e for e in events if e.get("event") in FAULT_EVENTS]
+    failures = _count(events, FAILURE_EVENTS)
+    stalls = _count(events, WATCHDOG_EVENTS)
     notes = []
-    if len(attempts) > 1 and not any(e.get("event") == "fault" for e in events):
-        notes.append("restarts without a fault event: only rank 0 records events")
+    if len(attempts) > 1 and not (faults or failures or stalls):
+        notes.append(
+            "restarts without a recorded fault or failure: a rank killed from outside "
+            "(OOM killer, SIGKILL, lost host) records nothing"
+        )
     return RunSummary(
         steps_completed=final_step,
         steps_executed=len(metrics),
@@ -225,7 +269,7 @@ def summarize(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> Ru
         checkpoint_mean_duration_s=sum(durations) / len(durations) if durations else None,
         emergency_checkpoints=sum(is_emergency(e, emergency_steps) for e in saved),
         checkpoints_failed=sum(e.get("event") == "checkpoint_failed" for e in events),
-        faults_injected=sum(e.get("event") == "fault" for e in events),
+        faults_injected=len(faults),
         fallbacks=sum(e.get("event") == "fallback" for e in events),
         preemptions=sum(e.get("event") == "preempted" for e in events),
         downtime_s=downtime,
@@ -240,6 +284,11 @@ def summarize(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> Ru
         finished=any(
             e.get("event") == "finished" and int(e.get("step", -1)) == final_step for e in events
         ),
+        failures=failures,
+        watchdog_stalls=stalls,
+        straggler_reports=_count(events, DETECTOR_EVENTS),
+        fault_ranks=[event_rank(e) for e in faults],
+        event_ranks=sorted({event_rank(e) for e in events} - {-1}),
         notes=notes,
     )
 
@@ -268,6 +317,17 @@ def world_size_segments(summary: RunSummary) -> list[tuple[int, float, float]]:
     return segments
 
 
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join("?" if r < 0 else str(r) for r in ranks)
+
+
+def _on_ranks(ranks: list[int]) -> str:
+    distinct = sorted(set(ranks))
+    if not distinct:
+        return ""
+    return f" (on rank{'s' if len(distinct) > 1 else ''} {_ranks(distinct)})"
+
+
 def format_summary(summary: RunSummary, run_dir: str = "") -> str:
     """The human-readable block that ``python -m trainer report`` prints."""
     s = summary
@@ -291,7 +351,11 @@ def format_summary(summary: RunSummary, run_dir: str = "") -> str:
         f"  restarts       {s.max_restart_count} (max restart_count); {s.distinct_attempts} attempts seen",
         f"  world sizes    {worlds}",
         f"  checkpoints    {ckpts} ({', '.join(extras)})",
-        f"  faults         {s.faults_injected} injected (recorded by rank 0), {s.preemptions} preemptions",
+        f"  faults         {s.faults_injected} injected{_on_ranks(s.fault_ranks)}, "
+        f"{s.preemptions} preemptions",
+        f"  failures       {s.failures} reported, {_plural(s.watchdog_stalls, 'watchdog stall')}, "
+        f"{_plural(s.straggler_reports, 'straggler report')}"
+        + (f" (events from ranks {_ranks(s.event_ranks)})" if s.event_ranks else ""),
         f"  wall time      {s.wall_time_s:.1f} s (first step start to last step end)",
         f"  time lost      {s.time_lost_s:.1f} s = {s.downtime_s:.1f} s down between attempts "
         f"+ {s.rerun_time_s:.1f} s re-running steps",
@@ -321,8 +385,49 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return rows
 
 
+def event_files(run_dir: str) -> list[tuple[int, str]]:
+    """``(rank, path)`` of every event file in ``run_dir``: ``events.jsonl`` (rank 0)
+    first, then each ``events.rank{R}.jsonl`` by rank."""
+    found: list[tuple[int, str]] = []
+    path = os.path.join(run_dir, EVENTS_FILE)
+    if os.path.isfile(path):
+        found.append((0, path))
+    ranked = []
+    for path in glob.glob(os.path.join(glob.escape(run_dir), RANK_EVENTS_GLOB)):
+        match = _RANK_EVENTS_RE.match(os.path.basename(path))
+        if match and os.path.isfile(path):
+            ranked.append((int(match.group(1)), path))
+    return found + sorted(ranked)
+
+
+def merge_events(per_rank: list[tuple[int, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """Every rank's events in one list sorted by ``time`` (stable: ties keep file order).
+
+    An event without a ``rank`` field gets the rank of the file it came from. Nothing
+    is deduplicated: the same event name from two ranks is two events.
+    """
+    merged: list[dict[str, Any]] = []
+    for rank, events in per_rank:
+        for event in events:
+            if "rank" not in event:
+                event = {**event, "rank": rank}
+            merged.append(event)
+
+    def when(event: dict[str, Any]) -> float:
+        try:
+            return float(event.get("time", 0.0))
+        except (TypeError, ValueError):
+            return 0.0
+
+    return sorted(merged, key=when)
+
+
 def load_run_dir(run_dir: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Read ``(metrics, events)`` from a local run directory; events may be absent."""
+    """Read ``(metrics, events)`` from a local run directory; events may be absent.
+
+    ``events`` merges ``events.jsonl`` and every ``events.rank{R}.jsonl`` by time
+    (:func:`merge_events`).
+    """
     if not os.path.isdir(run_dir):
         raise RunReportError(
             f"run directory {run_dir!r} does not exist (pass the trainer's --run-dir)"
@@ -332,9 +437,43 @@ def load_run_dir(run_dir: str) -> tuple[list[dict[str, Any]], list[dict[str, Any
         raise RunReportError(
             f"no {METRICS_FILE} in {run_dir!r}: not a trainer run directory, or rank 0 never started"
         )
-    events_path = os.path.join(run_dir, EVENTS_FILE)
-    events = read_jsonl(events_path) if os.path.isfile(events_path) else []
+    events = merge_events([(rank, read_jsonl(path)) for rank, path in event_files(run_dir)])
     return read_jsonl(metrics_path), events
+
+
+TIMELINE_MARKS = {
+    "fault": FAULT_EVENTS,
+    "failure": FAILURE_EVENTS,
+    "watchdog": WATCHDOG_EVENTS,
+    "fallback": frozenset({"fallback"}),
+    "checkpoint_failed": frozenset({"checkpoint_failed"}),
+}
+"""Marker kind on the timeline -> the event names drawn with it (besides checkpoints)."""
+RANK_LABELLED_MARKS = frozenset({"fault", "failure", "watchdog"})
+"""Marker kinds labelled with the rank that recorded the event."""
+
+
+def timeline_marks(
+    events: list[dict[str, Any]], start_time: float
+) -> dict[str, list[tuple[float, int, int]]]:
+    """Events drawn on the timeline: marker kind -> ``(time offset s, step, rank)``.
+
+    Kinds: ``checkpoint``, ``emergency`` and those of :data:`TIMELINE_MARKS`; events
+    of every rank are drawn, each on its own.
+    """
+    emergency_steps = _emergency_steps(events)
+    marks: dict[str, list[tuple[float, int, int]]] = {}
+    for e in events:
+        name = e.get("event")
+        if name == "checkpoint_saved":
+            kind = "emergency" if is_emergency(e, emergency_steps) else "checkpoint"
+        else:
+            kind = next((k for k, names in TIMELINE_MARKS.items() if name in names), "")
+        if kind and "time" in e:
+            marks.setdefault(kind, []).append(
+                (float(e["time"]) - start_time, int(e.get("step", 0)), event_rank(e))
+            )
+    return marks
 
 
 def plot_timeline(
@@ -408,27 +547,28 @@ def plot_timeline(
                 arrowprops={"arrowstyle": "->", "color": "black", "lw": 0.8},
             )  # fmt: skip
 
-    emergency_steps = _emergency_steps(events)
-    marks: dict[str, tuple[list[float], list[float]]] = {}
-    for e in events:
-        kind = e.get("event")
-        if kind == "checkpoint_saved":
-            kind = "emergency" if is_emergency(e, emergency_steps) else "checkpoint"
-        if kind in ("checkpoint", "emergency", "fault", "fallback", "checkpoint_failed"):
-            xs, ys = marks.setdefault(str(kind), ([], []))
-            xs.append(float(e["time"]) - t0)
-            ys.append(int(e.get("step", 0)))
+    marks = timeline_marks(events, t0)
     styles = {
         "checkpoint": ({"marker": "^", "color": "green", "s": 55}, "checkpoint committed"),
         "emergency": ({"marker": "*", "color": "darkorange", "s": 180}, "emergency checkpoint"),
         "checkpoint_failed": ({"marker": "v", "color": "purple", "s": 55}, "checkpoint failed"),
-        "fault": ({"marker": "X", "color": "red", "s": 90}, "fault injected"),
+        "fault": ({"marker": "X", "color": "red", "s": 90}, "fault injected (any rank)"),
+        "failure": ({"marker": "P", "color": "crimson", "s": 80}, "rank failure"),
+        "watchdog": ({"marker": "s", "color": "black", "s": 45}, "watchdog stall"),
         "fallback": ({"marker": "D", "color": "brown", "s": 50}, "resume fallback"),
     }
     for kind, (style, label) in styles.items():
-        if kind in marks:
-            xs, ys = marks[kind]
-            ax.scatter(xs, ys, zorder=4, edgecolors="black", linewidths=0.5, label=label, **style)
+        if kind not in marks:
+            continue
+        xs = [x for x, _, _ in marks[kind]]
+        ys = [y for _, y, _ in marks[kind]]
+        ax.scatter(xs, ys, zorder=4, edgecolors="black", linewidths=0.5, label=label, **style)
+        if kind in RANK_LABELLED_MARKS:
+            for x, y, rank in marks[kind]:
+                ax.annotate(
+                    f"rank {rank}" if rank >= 0 else "rank ?", xy=(x, y), xytext=(6, -10),
+                    textcoords="offset points", fontsize=8, color=style["color"],
+                )  # fmt: skip
 
     s = summary
     ax.set_title(
