@@ -18,11 +18,12 @@ from bench import metrics as m
 from bench.async_rounds import async_rounds
 from bench.elastic_runs import cold_init_s, elastic_run, goodput, restarts
 from bench.fsdp_state import layer_width
-from bench.gcs import GcsEmulator, gcs_rounds
+from bench.gcs import gcs_rounds
 from bench.report import markdown_table, write_json
 from bench.rounds import load_rounds, reshard_load, reshard_save, save_rounds
 from bench.spawn import run_on_ranks
 from bench.train_loop import plain_loop, steady_rate, trainer_run
+from testing.gcs_emulator import create_bucket, emulator_env, start_emulator
 
 RANKS = 2
 RESHARD_FROM = 4
@@ -231,12 +232,13 @@ def _overhead(work: str, mode: Mode) -> list[m.Metric]:
 
 
 def _gcs(mode: Mode) -> list[m.Metric]:
-    emulator = GcsEmulator()
-    saved = {k: os.environ.get(k) for k in emulator.env()}
-    os.environ.update(emulator.env())
+    emulator = start_emulator()
+    env = emulator_env(emulator.endpoint)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         bucket = "bench"
-        emulator.create_bucket(bucket)
+        create_bucket(emulator.endpoint, bucket)
         raw = run_on_ranks(
             gcs_rounds,
             RANKS,

@@ -64,7 +64,7 @@ def async_rounds(
 
     import ckpt
     from bench.gpt import build_tiny_gpt
-    from trainer.checkpointing import TrainProgress
+    from trainer.loop import TrainProgress
     from trainer.loop import train_step
 
     model, optim = build_trained(width)

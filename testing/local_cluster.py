@@ -19,24 +19,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from testing.ports import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RDZV_CONF = (
     "is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:

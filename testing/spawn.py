@@ -42,7 +42,12 @@ def _entry(
     pg_timeout_s: float,
 ) -> None:
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    os.environ.update({
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    })
     import torch.distributed as dist
 
     code = 0

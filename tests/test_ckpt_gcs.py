@@ -2,8 +2,8 @@
 
 Round trip and object crc32c, the storage fault matrix, a rank killed before
 COMPLETE, 2 -> 3 rank resharding through GCS, a corrupted object, a missing bucket
-and the CLI. Emulator fixtures and findings: tests/gcs_emulator.py,
-docs/gcs-emulator-notes.md.
+and the CLI. Emulator helpers and findings: testing/gcs_emulator.py (fixtures in
+tests/conftest.py), docs/gcs-emulator-notes.md.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import time
 
 import google_crc32c
 import pytest
-from gcs_emulator import emulator_env, gcs_filesystem
 from test_ckpt_core import assert_state_equal, blank_state, make_state
 
 import ckpt
 from ckpt import faults
 from ckpt.faults import StorageFault
 from ckpt.storage import Storage, StorageOptions
-from elastic.spawn import run_ok, run_ranks
+from testing.gcs_emulator import emulator_env, gcs_filesystem
+from testing.spawn import run_ok, run_ranks
 
 pytestmark = [pytest.mark.gcs, pytest.mark.timeout(120)]
 

@@ -1,4 +1,4 @@
-"""The `elastic` package surface: exports, dependencies, import cost."""
+"""The `elastic` package surface: exports, dependencies, import cost, what it ships."""
 
 from __future__ import annotations
 
@@ -10,8 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import setuptools
 
 import elastic
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +33,7 @@ def test_every_exported_name_resolves() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_never_imports_trainer_or_ckpt() -> None:
+def test_never_imports_trainer_ckpt_or_testing() -> None:
     for path in (REPO_ROOT / "elastic").glob("*.py"):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
@@ -39,7 +45,22 @@ def test_never_imports_trainer_or_ckpt() -> None:
                 continue
             for module in modules:
                 top = module.split(".")[0]
-                assert top not in {"trainer", "ckpt"}, f"{path.name} imports {module}"
+                assert top not in {"trainer", "ckpt", "testing"}, f"{path.name} imports {module}"
+
+
+@pytest.mark.timeout(30)
+def test_harnesses_live_in_the_unshipped_testing_package() -> None:
+    # The local torchrun cluster and the gloo rank spawner are test/bench harnesses: no
+    # runtime path imports them, so they are in `testing/`, which is not installed.
+    modules = {path.stem for path in (REPO_ROOT / "elastic").glob("*.py")}
+    assert {"local_cluster", "spawn"}.isdisjoint(modules), modules
+    for name in ("local_cluster", "spawn", "gcs_emulator", "ports"):
+        assert (REPO_ROOT / "testing" / f"{name}.py").is_file(), name
+    with open(REPO_ROOT / "pyproject.toml", "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = setuptools.find_packages(str(REPO_ROOT), include=include)
+    assert "elastic" in shipped
+    assert not [name for name in shipped if name.split(".")[0] in {"testing", "tests"}], shipped
 
 
 @pytest.mark.timeout(60)

@@ -46,7 +46,7 @@ def test_stalled_process_dumps_stacks_and_exits(tmp_path: Path) -> None:
     logging.basicConfig(level=logging.ERROR)
     def on_stall(info):
         print("on_stall", info.step, info.rank, info.dump_path, flush=True)
-    watchdog = Watchdog(0.5, dump_dir, exit_code={STALL_EXIT_CODE}, on_stall=on_stall)
+    watchdog = Watchdog(1.0, dump_dir, exit_code={STALL_EXIT_CODE}, on_stall=on_stall)
     for step in range(5):
         time.sleep(0.05)
         watchdog.beat(step)
@@ -59,6 +59,7 @@ def test_stalled_process_dumps_stacks_and_exits(tmp_path: Path) -> None:
     result = _run_child(body, dump_dir)
     elapsed = time.monotonic() - started
     assert result.returncode == STALL_EXIT_CODE, result.stderr
+    # Detected about 1 s after the last beat; the stalled call would sleep 60 s.
     assert elapsed < 20
     assert "not reached" not in result.stdout
     dumps = glob.glob(str(dump_dir / "stacks_rank3_pid*_*.txt"))
@@ -73,19 +74,20 @@ def test_stalled_process_dumps_stacks_and_exits(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_beating_and_allowed_phases_do_not_trip(tmp_path: Path) -> None:
     body = f"""
-    # Each sleep below is longer than the timeout, except the short ones marked.
-    watchdog = Watchdog(0.8, dump_dir, exit_code={STALL_EXIT_CODE})
+    # Each long sleep (2.5 s) outlasts the timeout plus a poll (1.5 + 0.375 s), so it
+    # trips if its exemption is broken; the short ones marked stay far (7x+) below it.
+    watchdog = Watchdog(1.5, dump_dir, exit_code={STALL_EXIT_CODE})
     for step in range(10):
         time.sleep(0.1)  # short: beating
         watchdog.beat(step)
-    with watchdog.allow(3.0):
-        time.sleep(1.2)  # e.g. first step or checkpoint load
+    with watchdog.allow(5.0):
+        time.sleep(2.5)  # e.g. first step or checkpoint load
     time.sleep(0.2)  # short: the usual timeout restarts when the allowance ends
     with watchdog.paused():
-        time.sleep(1.2)
+        time.sleep(2.5)
     time.sleep(0.2)  # short
     watchdog.close()
-    time.sleep(1.2)  # closed: no stall detection at all
+    time.sleep(2.5)  # closed: no stall detection at all
     print("finished", flush=True)
     """
     result = _run_child(body, tmp_path)
@@ -97,16 +99,21 @@ def test_beating_and_allowed_phases_do_not_trip(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_allowance_is_bounded(tmp_path: Path) -> None:
     body = f"""
-    watchdog = Watchdog(0.3, dump_dir, exit_code={STALL_EXIT_CODE})
+    def on_stall(info):
+        print("stalled_after", time.monotonic() - entered, flush=True)
+    watchdog = Watchdog(0.3, dump_dir, exit_code={STALL_EXIT_CODE}, on_stall=on_stall)
     def slow_checkpoint_load():
         with watchdog.allow(1.0):
             time.sleep(60)
+    entered = time.monotonic()
     slow_checkpoint_load()
     """
-    started = time.monotonic()
     result = _run_child(body, tmp_path)
-    assert result.returncode == STALL_EXIT_CODE
-    assert 1.0 <= time.monotonic() - started < 20
+    assert result.returncode == STALL_EXIT_CODE, result.stderr
+    # Measured in the child from just before allow(): not before the allowance ran out
+    # (the 0.3 s timeout alone would trip at ~0.4 s), and long before the 60 s sleep.
+    [line] = [x for x in result.stdout.splitlines() if x.startswith("stalled_after ")]
+    assert 1.0 <= float(line.split()[1]) < 15, line
     (dump,) = glob.glob(str(tmp_path / "stacks_rank3_*.txt"))
     assert "slow_checkpoint_load" in Path(dump).read_text()
 
@@ -115,7 +122,7 @@ def test_allowance_is_bounded(tmp_path: Path) -> None:
 def test_watchdog_catches_injected_hang(tmp_path: Path) -> None:
     body = f"""
     from elastic.faults import FaultPlan
-    watchdog = Watchdog(0.5, dump_dir, exit_code={STALL_EXIT_CODE})
+    watchdog = Watchdog(1.0, dump_dir, exit_code={STALL_EXIT_CODE})
     plan = FaultPlan.from_args_and_env(["hang:step=2"], env={{}})
     for step in range(5):
         plan.fire(step, rank=3, attempt=0)

@@ -14,7 +14,8 @@ import time
 
 import google_crc32c
 import pytest
-from gcs_emulator import (
+
+from testing.gcs_emulator import (
     EMULATOR_HOST_ENV,
     ZB_HNS_ENV,
     Emulator,

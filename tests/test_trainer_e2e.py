@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from testing.ports import free_port
 from trainer.__main__ import main as trainer_main
 from trainer.corpus import arithmetic_tokens
 
@@ -48,15 +48,9 @@ CROSS_WORLD_LOSS_ATOL = 1e-4
 CROSS_WORLD_PARAM_ATOL = 1e-4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_trainer(nproc: int, args: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
     """Run ``python -m trainer`` as ``nproc`` ranks; returns rank 0's process (stderr of all)."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(nproc):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

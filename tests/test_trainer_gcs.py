@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from gcs_emulator import create_bucket, emulator_env
 
 import ckpt
+from testing.gcs_emulator import create_bucket, emulator_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [

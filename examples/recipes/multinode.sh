@@ -27,7 +27,7 @@
 #      a small, long-lived machine (it can be one of the training nodes, but then it
 #      must outlive that node's trainer), and pass is_host=0 to every agent so that
 #      no agent tries to host it. Then losing any agent or node, the first one
-#      included, only shrinks the job. This is how elastic/local_cluster.py (the e2e
+#      included, only shrinks the job. This is how testing/local_cluster.py (the e2e
 #      tests and examples/elastic_demo.py) runs its multi-agent jobs.
 #
 # Settings (all measured on this project with torch 2.13, see docs/launching.md):

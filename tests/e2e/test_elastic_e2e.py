@@ -1,7 +1,7 @@
 """End-to-end: the trainer under real torchrun agents, with failures injected.
 
 Each scenario launches agents with ``--nnodes=2:4 --nproc_per_node=1`` on one
-rendezvous (see elastic/local_cluster.py) and asserts on the run's outputs: metrics.jsonl,
+rendezvous (see testing/local_cluster.py) and asserts on the run's outputs: metrics.jsonl,
 events.jsonl and checkpoint files. Every scenario is bounded; the harness kills
 only the processes it started.
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckpt
-from elastic.local_cluster import REPO, ElasticJob
+from testing.local_cluster import REPO, ElasticJob
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
