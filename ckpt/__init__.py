@@ -1,7 +1,18 @@
 """ckpt: committed, verifiable, resharding checkpoints through fsspec.
 
-Collective over the default process group when one is initialized, plain
-single-process otherwise::
+A training run uses one :class:`CheckpointManager` (models, optimizers, schedulers,
+any ``Stateful`` and plain values in one dict; save policy, async saves, per-rank RNG,
+resume on any world size)::
+
+    manager = ckpt.CheckpointManager(root, {"model": model, "optim": opt, "sched": sched},
+                                     every=50, async_save=True)
+    start = manager.resume() or 0
+    ...
+    manager.maybe_save(step, final=step == max_steps)
+    manager.close()
+
+One-off saves and loads use the thin functions, collective over the default process
+group when one is initialized, plain single-process otherwise::
 
     url = ckpt.save(state, "gs://bucket/run1", step=100, metadata={"tokens": 1e9})
     result = ckpt.load(state, "gs://bucket/run1")   # newest committed, any world size
@@ -13,7 +24,7 @@ Asynchronous save (returns once the state is staged in host memory)::
     ...                                  # train on; errors surface at the next save
     ckpt.close()                         # at exit, before destroy_process_group
 
-Layout, manifest and commit rules: see DESIGN.md. ``python -m ckpt --help`` for the CLI.
+Layout, manifest and commit rules: docs/design.md. ``python -m ckpt --help`` for the CLI.
 """
 
 from __future__ import annotations
@@ -22,9 +33,11 @@ from ckpt.async_save import PendingSave, close, wait_pending
 from ckpt.commit import save
 from ckpt.discovery import CheckpointInfo, find_latest_committed, list_checkpoints
 from ckpt.errors import (
+    CheckpointDirError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointShapeError,
     CorruptCheckpointError,
     FencedError,
     NoLoadableCheckpointError,
@@ -34,6 +47,8 @@ from ckpt.errors import (
     StoragePermanentError,
     StorageTimeoutError,
 )
+from ckpt.faults import FaultRegistry, StorageFault
+from ckpt.manager import CheckpointManager, ResumeInfo
 from ckpt.manifest import Attempt, CompleteMarker, Manifest
 from ckpt.restore import LoadResult, SkippedCheckpoint, load
 from ckpt.retention import RetentionPlan, RetentionPolicy, apply_retention, plan_retention
@@ -42,17 +57,22 @@ from ckpt.verify import VerifyReport, verify_dir
 
 __all__ = [
     "Attempt",
+    "CheckpointDirError",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointShapeError",
     "CompleteMarker",
     "CorruptCheckpointError",
+    "FaultRegistry",
     "FencedError",
     "LoadResult",
     "Manifest",
     "NoLoadableCheckpointError",
     "PendingSave",
+    "ResumeInfo",
     "RetentionPlan",
     "RetentionPolicy",
     "SaveFailedError",
@@ -60,6 +80,7 @@ __all__ = [
     "StateMismatchError",
     "Storage",
     "StorageError",
+    "StorageFault",
     "StorageOptions",
     "StoragePermanentError",
     "StorageTimeoutError",

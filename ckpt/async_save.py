@@ -1,17 +1,18 @@
 """Asynchronous saves: stage the state in host memory, upload and commit in the background.
 
-``ckpt.save(..., async_save=True)`` calls :func:`submit` after the caller's thread
+``ckpt.save(..., async_save=True)`` calls :meth:`AsyncSaver.submit` after the caller's thread
 has done everything that must not run concurrently with training (argument checks,
 creating the checkpoint gloo group, which is a collective on the default group).
-:func:`submit` copies every tensor of the state into host memory (DTensors stay
+:meth:`AsyncSaver.submit` copies every tensor of the state into host memory (DTensors stay
 DTensors with the same mesh and placements; the copy buffers of the previous save
 are reused when shapes and dtypes match), then runs the synchronous save protocol
 on that copy in one background thread and returns a :class:`PendingSave`.
 
 Rules, on every rank alike:
 
-- at most one save is in flight per process: a save (async or not) first waits for
-  the previous one (:func:`wait_for_previous`);
+- at most one save is in flight per :class:`AsyncSaver` (the process default behind
+  :func:`ckpt.save`, or a manager's own): a save (async or not) first waits for the
+  previous one (:meth:`AsyncSaver.wait_for_previous`);
 - the background thread runs collectives only on the checkpoint group (see
   :mod:`ckpt.dist`), so training collectives on other groups go on meanwhile;
 - COMPLETE is written by the coordinator only after every rank's shards are durable
@@ -51,7 +52,7 @@ SaveRunner = Callable[[dict[str, Any], float], str]
 class PendingSave:
     """Handle of one asynchronous save: ``wait()`` returns the committed URL or raises."""
 
-    def __init__(self, step: int, url: str, blocking_s: float) -> None:
+    def __init__(self, step: int, url: str, blocking_s: float, started: float) -> None:
         self.step = step
         self.url = url
         self.blocking_s = blocking_s
@@ -60,6 +61,9 @@ class PendingSave:
         """Seconds optimizer steps waited for a background staging copy (``overlap_staging``)."""
         self.staging_s: float | None = None
         """Seconds the staging copy took (``None`` until it is done)."""
+        self.duration_s: float | None = None
+        """Seconds from the ``ckpt.save`` call to the end of the commit (``None`` until done)."""
+        self._started = started
         self._staged = threading.Event()
         self._finished = threading.Event()
         self._error: BaseException | None = None
@@ -110,6 +114,7 @@ class PendingSave:
             logger.debug("ckpt: async save of step %d failed", self.step, exc_info=True)
             self._error = exc
         finally:
+            self.duration_s = time.monotonic() - self._started
             self._staged.set()
             self._finished.set()
 
@@ -132,64 +137,183 @@ class PendingSave:
         return f"PendingSave(step={self.step}, url={self.url!r}, {state})"
 
 
-_lock = threading.Lock()
-_pending: PendingSave | None = None
-_staging_buffer: Any = None
-_atexit_registered = False
-_gate_handles: list[Any] = []
+class AsyncSaver:
+    """The asynchronous-save state of one owner: the save in flight, staging buffers, gates.
 
-
-def submit(
-    state: dict[str, Any],
-    runner: SaveRunner,
-    *,
-    step: int,
-    url: str,
-    started: float,
-    overlap_with: Sequence[torch.optim.Optimizer] = (),
-) -> PendingSave:
-    """Stage ``state`` in host memory, start ``runner(staged, blocking_s)`` in the background.
-
-    Called by :func:`ckpt.save` on every rank, after :func:`wait_for_previous`.
-
-    With ``overlap_with`` (optimizers), only the structure is captured here (Python
-    objects copied, host buffers allocated); the tensor copies run first thing on the
-    background thread, overlapping the caller's forward and backward passes, and a
-    step pre-hook on each optimizer makes its next ``step()`` wait until they are done.
+    A :class:`ckpt.CheckpointManager` owns one; the thin :func:`ckpt.save` uses the
+    process default (:data:`DEFAULT`). At most one save per saver is in flight.
     """
-    global _pending, _staging_buffer, _atexit_registered
-    with _lock:
-        if _pending is not None and not _pending.done():
-            raise RuntimeError("ckpt: an async save is still in flight; call wait_for_previous")
-        _remove_gates()
-        copies: list[_Copy] = []
-        staged = plan_staging(state, _staging_buffer, copies)
-        _staging_buffer = staged
-        if not overlap_with:
-            _run_copies(copies)
-            copies = []
-        blocking_s = time.monotonic() - started
-        pending = PendingSave(step, url, blocking_s)
-        if overlap_with:
-            _gate_handles.extend(opt.register_step_pre_hook(pending._gate) for opt in overlap_with)
-        else:
-            pending.staging_s = blocking_s
-            pending._staged.set()
-        _pending = pending
-        if not _atexit_registered:
-            atexit.register(_drain_at_exit)
-            _atexit_registered = True
-    thread = threading.Thread(
-        target=pending._run, args=(runner, staged, copies), name=f"ckpt-save-{step}", daemon=True
-    )
-    thread.start()
-    return pending
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: PendingSave | None = None
+        self._staging_buffer: Any = None
+        self._atexit_registered = False
+        self._gate_handles: list[Any] = []
+
+    @property
+    def pending(self) -> PendingSave | None:
+        """The last save submitted (finished or not), ``None`` before the first."""
+        return self._pending
+
+    def submit(
+        self,
+        state: dict[str, Any],
+        runner: SaveRunner,
+        *,
+        step: int,
+        url: str,
+        started: float,
+        overlap_with: Sequence[torch.optim.Optimizer] = (),
+    ) -> PendingSave:
+        """Stage ``state`` in host memory, start ``runner(staged, blocking_s)`` in the background.
+
+        Called by :func:`ckpt.save` on every rank, after :meth:`wait_for_previous`.
+
+        With ``overlap_with`` (optimizers), only the structure is captured here (Python
+        objects copied, host buffers allocated); the tensor copies run first thing on the
+        background thread, overlapping the caller's forward and backward passes, and a
+        step pre-hook on each optimizer makes its next ``step()`` wait until they are done.
+        """
+        with self._lock:
+            if self._pending is not None and not self._pending.done():
+                raise RuntimeError(
+                    "ckpt: an async save is still in flight; call wait_for_previous"
+                )
+            self._remove_gates()
+            copies: list[_Copy] = []
+            staged = plan_staging(state, self._staging_buffer, copies)
+            self._staging_buffer = staged
+            if not overlap_with:
+                _run_copies(copies)
+                copies = []
+            blocking_s = time.monotonic() - started
+            pending = PendingSave(step, url, blocking_s, started)
+            if overlap_with:
+                self._gate_handles.extend(
+                    opt.register_step_pre_hook(pending._gate) for opt in overlap_with
+                )
+            else:
+                pending.staging_s = blocking_s
+                pending._staged.set()
+            self._pending = pending
+            if not self._atexit_registered:
+                atexit.register(self._drain_at_exit)
+                self._atexit_registered = True
+        thread = threading.Thread(
+            target=pending._run,
+            args=(runner, staged, copies),
+            name=f"ckpt-save-{step}",
+            daemon=True,
+        )
+        thread.start()
+        return pending
+
+    def _remove_gates(self) -> None:
+        # Only from the caller's thread (never while it may be inside optimizer.step()).
+        while self._gate_handles:
+            self._gate_handles.pop().remove()
+
+    def wait_for_previous(self, step: int | None = None) -> None:
+        """Wait for the save in flight, if any; raise its error unless already observed.
+
+        ``step`` is the step of the save about to start (named in the error's note).
+        """
+        with self._lock:
+            pending = self._pending
+        if pending is None:
+            return
+        pending._finished.wait()
+        error = pending._take_unobserved_error()
+        if error is not None:
+            caller = f"ckpt.save(step={step})" if step is not None else "ckpt"
+            error.add_note(
+                f"raised by {caller}: the asynchronous save of step {pending.step} to "
+                f"{pending.url} failed in the background; that checkpoint was not committed"
+            )
+            raise error
+
+    def wait_pending(self, timeout: float | None = None) -> str | None:
+        """Wait for the async save in flight; return its URL (``None`` if there was none).
+
+        Raises the save's error unless it was already raised elsewhere, and
+        :class:`TimeoutError` if it is still running after ``timeout`` seconds.
+        """
+        with self._lock:
+            pending = self._pending
+        if pending is None:
+            return None
+        if not pending._finished.wait(timeout):
+            raise TimeoutError(
+                f"async save of step {pending.step} to {pending.url} still running after "
+                f"{timeout} s"
+            )
+        error = pending._take_unobserved_error()
+        if error is not None:
+            raise error
+        return None if pending._error is not None else pending.url
+
+    def close(self, timeout: float | None = None) -> str | None:
+        """Drain like :meth:`wait_pending`, then free the staging buffer (call before exit).
+
+        Every rank calls it, before ``destroy_process_group``.
+        """
+        try:
+            return self.wait_pending(timeout)
+        finally:
+            with self._lock:
+                if self._pending is None or self._pending.done():
+                    self._staging_buffer = None
+                    self._remove_gates()
+
+    def _drain_at_exit(self) -> None:
+        with self._lock:
+            pending = self._pending
+        if pending is None:
+            return
+        if not pending.done():
+            logger.warning("ckpt: waiting for the async save of step %d before exit", pending.step)
+        pending._finished.wait()
+        error = pending._take_unobserved_error()
+        if error is not None:
+            logger.error(
+                "ckpt: the async save of step %d to %s failed and nobody waited for it: %s: %s",
+                pending.step,
+                pending.url,
+                type(error).__name__,
+                error,
+            )
 
 
-def _remove_gates() -> None:
-    # Only from the caller's thread (never while it may be inside optimizer.step()).
-    while _gate_handles:
-        _gate_handles.pop().remove()
+DEFAULT = AsyncSaver()
+"""The saver behind the module-level :func:`ckpt.save` (a manager owns its own)."""
+
+
+def submit(state: dict[str, Any], runner: SaveRunner, **kwargs: Any) -> PendingSave:
+    """:meth:`AsyncSaver.submit` on the process default saver."""
+    return DEFAULT.submit(state, runner, **kwargs)
+
+
+def wait_for_previous(step: int | None = None) -> None:
+    """:meth:`AsyncSaver.wait_for_previous` on the process default saver."""
+    DEFAULT.wait_for_previous(step)
+
+
+def wait_pending(timeout: float | None = None) -> str | None:
+    """Wait for the async save in flight; return its URL (``None`` if there was none).
+
+    Raises the save's error unless it was already raised elsewhere, and
+    :class:`TimeoutError` if it is still running after ``timeout`` seconds.
+    """
+    return DEFAULT.wait_pending(timeout)
+
+
+def close(timeout: float | None = None) -> str | None:
+    """Drain the default saver like :func:`wait_pending`, then free its staging buffer.
+
+    Every rank calls it, before ``destroy_process_group``.
+    """
+    return DEFAULT.close(timeout)
 
 
 def _lower_thread_priority() -> None:
@@ -208,80 +332,6 @@ def _lower_thread_priority() -> None:
 
 
 _NICE = int(os.environ.get("CKPT_SAVE_THREAD_NICE", "19"))
-
-
-def wait_for_previous(step: int | None = None) -> None:
-    """Wait for the save in flight, if any; raise its error unless already observed.
-
-    ``step`` is the step of the save about to start (named in the error's note).
-    """
-    with _lock:
-        pending = _pending
-    if pending is None:
-        return
-    pending._finished.wait()
-    error = pending._take_unobserved_error()
-    if error is not None:
-        caller = f"ckpt.save(step={step})" if step is not None else "ckpt"
-        error.add_note(
-            f"raised by {caller}: the asynchronous save of step {pending.step} to "
-            f"{pending.url} failed in the background; that checkpoint was not committed"
-        )
-        raise error
-
-
-def wait_pending(timeout: float | None = None) -> str | None:
-    """Wait for the async save in flight; return its URL (``None`` if there was none).
-
-    Raises the save's error unless it was already raised elsewhere, and
-    :class:`TimeoutError` if it is still running after ``timeout`` seconds.
-    """
-    with _lock:
-        pending = _pending
-    if pending is None:
-        return None
-    if not pending._finished.wait(timeout):
-        raise TimeoutError(
-            f"async save of step {pending.step} to {pending.url} still running after {timeout} s"
-        )
-    error = pending._take_unobserved_error()
-    if error is not None:
-        raise error
-    return None if pending._error is not None else pending.url
-
-
-def close(timeout: float | None = None) -> str | None:
-    """Drain like :func:`wait_pending`, then free the staging buffer (call before exit).
-
-    Every rank calls it, before ``destroy_process_group``.
-    """
-    global _staging_buffer
-    try:
-        return wait_pending(timeout)
-    finally:
-        with _lock:
-            if _pending is None or _pending.done():
-                _staging_buffer = None
-                _remove_gates()
-
-
-def _drain_at_exit() -> None:
-    with _lock:
-        pending = _pending
-    if pending is None:
-        return
-    if not pending.done():
-        logger.warning("ckpt: waiting for the async save of step %d before exit", pending.step)
-    pending._finished.wait()
-    error = pending._take_unobserved_error()
-    if error is not None:
-        logger.error(
-            "ckpt: the async save of step %d to %s failed and nobody waited for it: %s: %s",
-            pending.step,
-            pending.url,
-            type(error).__name__,
-            error,
-        )
 
 
 _Copy = tuple[torch.Tensor, torch.Tensor]  # (host buffer, source)

@@ -35,7 +35,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt import async_save as _async
-from ckpt import faults
 from ckpt.checksum import crc32c_of
 from ckpt.discovery import find_latest_committed, inspect_dir
 from ckpt.dist import Collective
@@ -103,6 +102,7 @@ def save(
     retention: RetentionPolicy | None = None,
     async_save: bool = False,
     overlap_staging: Any = None,
+    _saver: _async.AsyncSaver | None = None,
 ) -> str | _async.PendingSave:
     """Write and commit ``root/checkpoint_{step:07d}/``; return its URL.
 
@@ -141,7 +141,8 @@ def save(
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     optimizers = _optimizers(overlap_staging, async_save)
-    _async.wait_for_previous(step)
+    saver = _async.DEFAULT if _saver is None else _saver  # a CheckpointManager passes its own
+    saver.wait_for_previous(step)
     started = time.monotonic()
     # In the caller's thread: creating the checkpoint group is itself a collective,
     # which must not race with training collectives from a background thread.
@@ -166,7 +167,7 @@ def save(
 
     if not async_save:
         return run(state, None)
-    return _async.submit(state, run, step=step, url=url, started=started, overlap_with=optimizers)
+    return saver.submit(state, run, step=step, url=url, started=started, overlap_with=optimizers)
 
 
 def _optimizers(overlap_staging: Any, async_save: bool) -> list[torch.optim.Optimizer]:
@@ -197,7 +198,8 @@ def _save_staged(
     blocking_s: float | None,
 ) -> str:
     """The save protocol (module docstring) on ``state``; on the caller's or the save thread."""
-    faults.set_rank(coll.rank)
+    storage.fault_registry.rank = coll.rank
+    storage.fault_registry.step = step
     dirname = checkpoint_dirname(step)
     ckpt_dir = storage.child(dirname)
     url = ckpt_dir.root_url

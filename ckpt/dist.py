@@ -39,13 +39,28 @@ T = TypeVar("T")
 _groups: dict[int, Any] = {}
 
 
+def new_checkpoint_group(timeout_s: float | None = None) -> Any:
+    """A new gloo group over every rank for checkpoint collectives (collective call).
+
+    ``timeout_s`` defaults to ``CKPT_COLLECTIVE_TIMEOUT_S`` (600 s): how long a rank
+    waits in a checkpoint collective for a dead peer. A ``CheckpointManager`` creates
+    one for itself; the module-level ``ckpt.save``/``ckpt.load`` share a cached one.
+    """
+    if timeout_s is None:
+        raw = os.environ.get(ENV_COLLECTIVE_TIMEOUT_S, "")
+        try:
+            timeout_s = float(raw) if raw.strip() else DEFAULT_COLLECTIVE_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"{ENV_COLLECTIVE_TIMEOUT_S}={raw!r} is not a number of seconds") from None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def _checkpoint_group() -> Any:
     default = dist.distributed_c10d._get_default_group()
     key = id(default)
     group = _groups.get(key)
     if group is None:
-        timeout_s = float(os.environ.get(ENV_COLLECTIVE_TIMEOUT_S, DEFAULT_COLLECTIVE_TIMEOUT_S))
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        group = new_checkpoint_group()
         _groups.clear()  # a previous default group is gone; drop its subgroup
         _groups[key] = group
     return group

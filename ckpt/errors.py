@@ -69,3 +69,11 @@ class FencedError(CheckpointError):
 
 class SaveFailedError(CheckpointError):
     """A collective save failed on at least one rank; nothing was committed."""
+
+
+class CheckpointDirError(CheckpointError):
+    """The checkpoint root cannot be created, listed or reached (bad URL, permissions, bucket)."""
+
+
+class CheckpointShapeError(StateMismatchError):
+    """The newest checkpoint was written for objects of other shapes (another model)."""

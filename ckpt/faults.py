@@ -13,9 +13,14 @@ next ``times`` matching calls. Kinds:
 - ``delay``: sleep ``delay_s`` (default 1 s; option ``delay_ms=N``) before the call, which
   then proceeds normally: a slow upload, for testing asynchronous saves
 
-Faults are installed in-process with :func:`inject` / :func:`install`, or through
-the environment variable ``CKPT_STORAGE_FAULTS`` (read at the first storage call
-of a process), for example ``CKPT_STORAGE_FAULTS="complete:kill:rank=0;shard:http503:times=2"``.
+Faults live in a :class:`FaultRegistry`: a :class:`ckpt.CheckpointManager` owns one,
+and the module functions :func:`inject` / :func:`install` act on the process default,
+which also reads the environment variable ``CKPT_STORAGE_FAULTS`` at the first storage
+call of a process. Its items use the key=value grammar of every fault spec in this
+project (``elastic.faults``), e.g.
+``CKPT_STORAGE_FAULTS="ckpt-storage:phase=complete:error=kill:rank=0"``; the short form
+``PHASE:KIND[:times=N][:rank=R]`` (``complete:kill:rank=0;shard:http503:times=2``) still
+works.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from elastic.faults import split_fault_spec
 
 ENV_STORAGE_FAULTS = "CKPT_STORAGE_FAULTS"
 
@@ -61,6 +68,8 @@ class StorageFault:
     kind: str
     times: int = 1
     rank: int | None = None
+    step: int | None = None
+    """Only saves of this step or later (``None``: any call)."""
     delay_s: float = 1.0
     fired: int = field(default=0, compare=False)
 
@@ -75,98 +84,171 @@ class StorageFault:
             raise ValueError(f"storage fault delay_s must be >= 0, got {self.delay_s}")
 
 
+SPEC_NAME = "ckpt-storage"
+"""Name of a storage fault in the key=value grammar shared with ``elastic`` fault specs."""
+SPEC_KEYS = ("phase", "error", "times", "rank", "step", "attempt", "delay_ms")
+
+
+def parse_spec_fields(text: str) -> tuple[str, dict[str, str]]:
+    """Split one ``NAME[:key=value]...`` fault spec (the grammar of ``elastic.faults``)."""
+    try:
+        return split_fault_spec(text)
+    except ValueError as exc:
+        raise ValueError(f"fault spec {text!r}: {exc}") from None
+
+
+def _non_negative(text: str, key: str, value: str) -> int:
+    if not (value.isascii() and value.isdigit()):
+        raise ValueError(f"fault spec {text!r}: {key}={value!r} is not a non-negative integer")
+    return int(value)
+
+
+def storage_fault_from_fields(text: str, fields: dict[str, str]) -> StorageFault:
+    """A :class:`StorageFault` from the fields of a ``ckpt-storage:...`` spec.
+
+    Keys: ``phase`` (default ``shard``), ``error`` (one of :data:`KINDS`, default
+    ``permanent``), ``times`` (default 1), ``rank``, ``step`` (only saves of this step or
+    later), ``delay_ms``. ``attempt`` is accepted and ignored here: a process-level fault
+    plan (``elastic.FaultPlan``) decides in which attempt the fault is armed.
+    """
+    unknown = sorted(set(fields) - set(SPEC_KEYS))
+    if unknown:
+        raise ValueError(
+            f"fault spec {text!r}: unknown key(s) {unknown}; {SPEC_NAME} takes {list(SPEC_KEYS)}"
+        )
+    kwargs: dict[str, Any] = {
+        "phase": fields.get("phase", "shard"),
+        "kind": fields.get("error", "permanent"),
+    }
+    for key in ("times", "rank", "step"):
+        if key in fields:
+            kwargs[key] = _non_negative(text, key, fields[key])
+    if "attempt" in fields:
+        _non_negative(text, "attempt", fields["attempt"])
+    if "delay_ms" in fields:
+        kwargs["delay_s"] = _non_negative(text, "delay_ms", fields["delay_ms"]) / 1000.0
+    return StorageFault(**kwargs)
+
+
 def parse_storage_faults(text: str) -> list[StorageFault]:
-    """Parse ``PHASE:KIND[:times=N][:rank=R][:delay_ms=M]`` items separated by ``;``."""
+    """Parse ``;``-separated storage faults (the ``CKPT_STORAGE_FAULTS`` value).
+
+    Each item is either the key=value form shared with the trainer's ``--fault``
+    (``ckpt-storage:phase=shard:error=http503:times=2:rank=1``) or the short form
+    ``PHASE:KIND[:times=N][:rank=R][:delay_ms=M]``.
+    """
     faults: list[StorageFault] = []
     for item in filter(None, (part.strip() for part in text.split(";"))):
-        fields = item.split(":")
-        if len(fields) < 2:
-            raise ValueError(f"storage fault {item!r}: expected PHASE:KIND[:times=N][:rank=R]")
-        kwargs: dict[str, Any] = {}
-        for opt in fields[2:]:
-            key, sep, value = opt.partition("=")
-            if not sep or key not in ("times", "rank", "delay_ms") or not value.isdigit():
-                raise ValueError(
-                    f"storage fault {item!r}: bad option {opt!r} (times=N, rank=R or delay_ms=M)"
-                )
-            if key == "delay_ms":
-                kwargs["delay_s"] = int(value) / 1000.0
-            else:
-                kwargs[key] = int(value)
-        faults.append(StorageFault(phase=fields[0], kind=fields[1], **kwargs))
+        if item.split(":", 1)[0].strip() == SPEC_NAME:
+            faults.append(storage_fault_from_fields(item, parse_spec_fields(item)[1]))
+            continue
+        head = item.split(":")
+        if len(head) < 2 or "=" in head[1]:
+            raise ValueError(
+                f"storage fault {item!r}: expected {SPEC_NAME}:phase=P:error=E[:times=N][:rank=R]"
+                " or PHASE:KIND[:times=N][:rank=R]"
+            )
+        _, rest = parse_spec_fields(":".join([head[0], *head[2:]]))
+        if set(rest) - {"times", "rank", "delay_ms"}:
+            raise ValueError(
+                f"storage fault {item!r}: bad option(s) {sorted(rest)} (times=N, rank=R or delay_ms=M)"
+            )
+        faults.append(storage_fault_from_fields(item, {**rest, "phase": head[0], "error": head[1]}))
     return faults
 
 
-_lock = threading.Lock()
-_faults: list[StorageFault] = []
-_env_loaded = False
-_rank: int = 0
+class FaultRegistry:
+    """The storage faults armed for one owner, and which rank and save step it is at.
+
+    :class:`ckpt.CheckpointManager` owns one (``StorageOptions.faults``); the module
+    functions below act on the process default (:data:`DEFAULT`), which also reads
+    ``CKPT_STORAGE_FAULTS`` at its first storage call.
+    """
+
+    def __init__(self, *, read_env: bool = False) -> None:
+        self._lock = threading.Lock()
+        self._faults: list[StorageFault] = []
+        self._env_pending = read_env
+        self.rank = 0
+        """Rank of this process in the current save or load (set by ckpt)."""
+        self.step: int | None = None
+        """Step of the save in progress (``None`` for loads and other calls)."""
+
+    def install(self, *faults: StorageFault) -> None:
+        """Add faults for the rest of this registry's life (or until :meth:`clear`)."""
+        with self._lock:
+            self._faults.extend(faults)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._faults.clear()
+
+    @contextlib.contextmanager
+    def inject(self, *faults: StorageFault) -> Iterator[list[StorageFault]]:
+        """Install ``faults`` for the duration of the block; yields them (see ``.fired``)."""
+        self.install(*faults)
+        try:
+            yield list(faults)
+        finally:
+            with self._lock:
+                for fault in faults:
+                    if fault in self._faults:
+                        self._faults.remove(fault)
+
+    def take(self, phase: str) -> StorageFault | None:
+        """Consume and return the first armed fault matching ``phase`` on this rank, if any.
+
+        A ``delay`` fault is acted out here (outside the lock) and not returned: the call
+        it matched then runs normally.
+        """
+        delayed: StorageFault | None = None
+        with self._lock:
+            if self._env_pending:
+                self._env_pending = False
+                self._faults.extend(parse_storage_faults(os.environ.get(ENV_STORAGE_FAULTS, "")))
+            for fault in self._faults:
+                if fault.fired >= fault.times or fault.phase not in (phase, "any"):
+                    continue
+                if fault.rank is not None and fault.rank != self.rank:
+                    continue
+                if fault.step is not None and (self.step is None or self.step < fault.step):
+                    continue
+                fault.fired += 1
+                if fault.kind != "delay":
+                    return fault
+                delayed = fault
+                break
+        if delayed is not None:
+            time.sleep(delayed.delay_s)
+        return None
+
+
+DEFAULT = FaultRegistry(read_env=True)
+"""The registry of the module-level functions (``ckpt.save``/``ckpt.load`` without a manager)."""
 
 
 def set_rank(rank: int) -> None:
-    """Tell the injector which rank this process is (ckpt does this at each save/load)."""
-    global _rank
-    _rank = rank
+    """Tell the default registry which rank this process is (ckpt does it at each save/load)."""
+    DEFAULT.rank = rank
 
 
 def install(*faults: StorageFault) -> None:
-    """Add faults for the rest of this process (or until :func:`clear`)."""
-    with _lock:
-        _faults.extend(faults)
+    """Add faults to the default registry for the rest of this process (or :func:`clear`)."""
+    DEFAULT.install(*faults)
 
 
 def clear() -> None:
-    with _lock:
-        _faults.clear()
+    DEFAULT.clear()
 
 
-@contextlib.contextmanager
-def inject(*faults: StorageFault) -> Iterator[list[StorageFault]]:
-    """Install ``faults`` for the duration of the block; yields them (see ``.fired``)."""
-    install(*faults)
-    try:
-        yield list(faults)
-    finally:
-        with _lock:
-            for fault in faults:
-                if fault in _faults:
-                    _faults.remove(fault)
-
-
-def _load_env_once() -> None:
-    global _env_loaded
-    if _env_loaded:
-        return
-    _env_loaded = True
-    text = os.environ.get(ENV_STORAGE_FAULTS, "")
-    if text:
-        _faults.extend(parse_storage_faults(text))
+def inject(*faults: StorageFault) -> contextlib.AbstractContextManager[list[StorageFault]]:
+    """Install ``faults`` in the default registry for the duration of the block."""
+    return DEFAULT.inject(*faults)
 
 
 def take(phase: str) -> StorageFault | None:
-    """Consume and return the first armed fault matching ``phase`` on this rank, if any.
-
-    A ``delay`` fault is acted out here (outside the lock) and not returned: the call
-    it matched then runs normally.
-    """
-    delayed: StorageFault | None = None
-    with _lock:
-        _load_env_once()
-        for fault in _faults:
-            if fault.fired >= fault.times:
-                continue
-            if fault.phase not in (phase, "any"):
-                continue
-            if fault.rank is not None and fault.rank != _rank:
-                continue
-            fault.fired += 1
-            if fault.kind != "delay":
-                return fault
-            delayed = fault
-            break
-    if delayed is not None:
-        time.sleep(delayed.delay_s)
-    return None
+    """:meth:`FaultRegistry.take` on the default registry."""
+    return DEFAULT.take(phase)
 
 
 def raise_for(fault: StorageFault, what: str) -> None:

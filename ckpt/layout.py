@@ -1,4 +1,4 @@
-"""Names and URL arithmetic of the checkpoint layout (the contract in DESIGN.md).
+"""Names and URL arithmetic of the checkpoint layout (the contract in docs/design.md).
 
     <root>/checkpoint_0000100/{.metadata, rank_00000.distcp, ..., manifest.json, COMPLETE}
 

@@ -27,7 +27,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt import async_save as _async
-from ckpt import faults
 from ckpt.commit import EventSink
 from ckpt.discovery import CheckpointInfo, inspect_dir, list_checkpoints
 from ckpt.dist import Collective
@@ -80,6 +79,7 @@ def load(
     missing_ok: bool = False,
     on_event: EventSink | None = None,
     storage_options: StorageOptions | None = None,
+    _saver: _async.AsyncSaver | None = None,
 ) -> LoadResult | None:
     """Load ``state`` in place from the newest committed checkpoint under ``root``.
 
@@ -91,11 +91,12 @@ def load(
         raise TypeError(f"root must be a str URL, got {type(root).__name__}")
     # A save still uploading in the background uses the same checkpoint group: finish it
     # first (and surface its error) so the two protocols never interleave.
-    _async.wait_for_previous()
+    (_async.DEFAULT if _saver is None else _saver).wait_for_previous()
     started = time.monotonic()
     coll = Collective(process_group)
-    faults.set_rank(coll.rank)
     storage = Storage(root, storage_options)
+    storage.fault_registry.rank = coll.rank
+    storage.fault_registry.step = None
 
     def discover() -> tuple[list[int], list[int]]:
         if step is not None:

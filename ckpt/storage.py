@@ -95,6 +95,8 @@ class StorageOptions:
     """fsync local files before close (durability)."""
     fs_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the fsspec filesystem (e.g. ``token``, ``project``)."""
+    faults: faults.FaultRegistry | None = field(default=None, compare=False, repr=False)
+    """Storage fault injection for these calls (``None``: the process default registry)."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -241,6 +243,11 @@ class Storage:
         sub._write_kwargs = self._write_kwargs
         return sub
 
+    @property
+    def fault_registry(self) -> faults.FaultRegistry:
+        """Where this storage's calls look for injected faults."""
+        return self.options.faults if self.options.faults is not None else faults.DEFAULT
+
     # -- retry machinery --------------------------------------------------------------
 
     def _call(self, what: str, phase: str, fn: Callable[[], T]) -> T:
@@ -248,7 +255,7 @@ class Storage:
         opts = self.options
 
         def attempt() -> T:
-            fault = faults.take(phase)
+            fault = self.fault_registry.take(phase)
             if fault is not None and fault.kind != "truncate":
                 return _run_with_timeout(
                     lambda: faults.raise_for(fault, what), opts.timeout_s, what

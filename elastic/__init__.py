@@ -1,7 +1,9 @@
 """torchrun / torch.distributed.elastic integration for the trainer.
 
 Run identity from the environment, job-wide restart count, fault injection,
-SIGTERM (preemption) handling, hang watchdog and straggler detection. Depends only on
+SIGTERM (preemption) handling, hang watchdog and straggler detection, all behind one
+``with RunGuard(...)``; and ``ElasticSampler``, a data position that resumes on any
+world size. Depends only on
 the standard library and torch; never imports `trainer` or `ckpt`.
 
 Names are loaded on first use (PEP 562), so that `elastic.faults`, `elastic.identity`,
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
         InjectedFault,
         parse_fault_spec,
     )
+    from elastic.guard import EmergencySaver, Preempted, RunGuard
     from elastic.identity import RunIdentity, job_restart_count
     from elastic.preemption import (
         PreemptionDecision,
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
         decide_emergency_save,
         grace_from_env,
     )
+    from elastic.sampler import ElasticSampler, GlobalOrder, samples_digest
     from elastic.straggler import StragglerMonitor, find_stragglers
     from elastic.watchdog import StallInfo, Watchdog, process_group_timeout
 
@@ -42,6 +46,12 @@ _EXPORTS: dict[str, str] = {
     "FaultSpec": "elastic.faults",
     "InjectedFault": "elastic.faults",
     "parse_fault_spec": "elastic.faults",
+    "EmergencySaver": "elastic.guard",
+    "Preempted": "elastic.guard",
+    "RunGuard": "elastic.guard",
+    "ElasticSampler": "elastic.sampler",
+    "GlobalOrder": "elastic.sampler",
+    "samples_digest": "elastic.sampler",
     "RunIdentity": "elastic.identity",
     "job_restart_count": "elastic.identity",
     "PreemptionDecision": "elastic.preemption",
@@ -59,13 +69,18 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "ENV_FAULTS",
+    "ElasticSampler",
+    "EmergencySaver",
     "FaultKind",
     "FaultPlan",
     "FaultSpec",
+    "GlobalOrder",
     "InjectedFault",
+    "Preempted",
     "PreemptionDecision",
     "PreemptionHandler",
     "PreemptionHandlerError",
+    "RunGuard",
     "RunIdentity",
     "StallInfo",
     "StragglerMonitor",
@@ -77,6 +92,7 @@ __all__ = [
     "job_restart_count",
     "parse_fault_spec",
     "process_group_timeout",
+    "samples_digest",
 ]
 
 

@@ -1,8 +1,11 @@
 """Fault injection at a given (step, rank, attempt), for testing recovery for real.
 
-Grammar (DESIGN.md, contract): `KIND:step=S[:rank=R][:attempt=A]`, from repeatable
+Grammar (docs/design.md): `KIND:step=S[:rank=R][:attempt=A]`, from repeatable
 `--fault` arguments and from the environment variable `TRAINER_FAULTS`
 (`;`-separated). Command-line specs come first, then the environment's; both apply.
+It is the one key=value grammar of every fault in this project (:func:`split_fault_spec`):
+`ckpt.faults` parses `CKPT_STORAGE_FAULTS` with it too, and a `ckpt-storage` spec takes
+the storage keys `phase`, `error`, `times` and `delay_ms` besides step, rank and attempt.
 
 Kinds:
 
@@ -13,8 +16,10 @@ Kinds:
 - `hang`: stop making progress forever, sleeping so the GIL stays free for the
   watchdog thread (which is what should notice it).
 - `sigterm`: SIGTERM to itself, as a preemption would deliver it.
-- `ckpt-storage`: the next checkpoint's writes on that rank fail; the plan only
-  reports it (`FaultPlan.storage_fault_due`), the trainer hands it to the checkpointer.
+- `ckpt-storage`: the next checkpoint's writes on that rank fail (by default the first
+  shard write, with a permanent error: `phase=shard:error=permanent:times=1`); the plan
+  only reports it (`FaultPlan.storage_fault_due`), and `RunGuard` arms it in the
+  checkpoint manager (`inject_storage_fault(spec.storage_spec())`).
 
 `rank` omitted means every rank. A fault fires only in the attempt whose job-wide
 restart count equals `attempt` (default 0), so a restarted job does not fail again at
@@ -55,6 +60,8 @@ class FaultKind(str, enum.Enum):
 
 VALID_KINDS: tuple[str, ...] = tuple(kind.value for kind in FaultKind)
 VALID_KEYS: tuple[str, ...] = ("step", "rank", "attempt")
+STORAGE_KEYS: tuple[str, ...] = ("phase", "error", "times", "delay_ms")
+"""Extra keys of a `ckpt-storage` spec, handed to the checkpoint library as they are."""
 
 
 class InjectedFault(RuntimeError):
@@ -78,6 +85,8 @@ class FaultSpec:
     """Global rank it fires on; None means every rank."""
     attempt: int = 0
     """Job-wide restart count of the attempt it fires in."""
+    storage: tuple[tuple[str, str], ...] = ()
+    """`ckpt-storage` only: the storage keys given (phase, error, times, delay_ms)."""
 
     def __post_init__(self) -> None:
         for name in ("step", "attempt"):
@@ -90,11 +99,17 @@ class FaultSpec:
         """True when this fault targets `rank` in the attempt numbered `attempt`."""
         return self.attempt == attempt and (self.rank is None or self.rank == rank)
 
+    def storage_spec(self) -> str:
+        """The storage fault for `ckpt` (`ckpt-storage:phase=...`), rank and step left out:
+        the plan has already decided that it applies here and now."""
+        return ":".join([self.kind.value, *(f"{k}={v}" for k, v in self.storage)])
+
     def __str__(self) -> str:
         text = f"{self.kind.value}:step={self.step}"
         if self.rank is not None:
             text += f":rank={self.rank}"
-        return text + f":attempt={self.attempt}"
+        text += f":attempt={self.attempt}"
+        return "".join([text, *(f":{k}={v}" for k, v in self.storage)])
 
 
 def _spec_error(text: str, reason: str) -> ValueError:
@@ -104,29 +119,51 @@ def _spec_error(text: str, reason: str) -> ValueError:
     )
 
 
+def split_fault_spec(text: str) -> tuple[str, dict[str, str]]:
+    """Split one `NAME[:key=value]...` spec into its name and fields (pure).
+
+    The grammar of every fault spec in the project. Raises ValueError (with the reason
+    only) for a field that is not key=value or a key given twice.
+    """
+    name, *parts = (part.strip() for part in text.strip().split(":"))
+    fields: dict[str, str] = {}
+    for part in parts:
+        key, sep, raw = part.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"{part!r} is not key=value")
+        if key in fields:
+            raise ValueError(f"key {key!r} given twice")
+        fields[key] = raw.strip()
+    return name, fields
+
+
 def parse_fault_spec(text: str) -> FaultSpec:
-    """Parse one `KIND:step=S[:rank=R][:attempt=A]` spec.
+    """Parse one `KIND:step=S[:rank=R][:attempt=A]` spec (`ckpt-storage` also takes
+    `phase=P`, `error=E`, `times=N`, `delay_ms=M`, checked by `ckpt` when armed).
 
     Raises ValueError naming the spec and listing the valid kinds and keys when the
     text does not follow the grammar. Pure; any rank may call it.
     """
-    parts = [part.strip() for part in text.strip().split(":")]
-    kind_text = parts[0]
+    try:
+        kind_text, fields = split_fault_spec(text)
+    except ValueError as exc:
+        raise _spec_error(text, str(exc)) from None
     try:
         kind = FaultKind(kind_text)
     except ValueError:
         raise _spec_error(text, f"unknown kind {kind_text!r}") from None
+    allowed = VALID_KEYS + (STORAGE_KEYS if kind is FaultKind.CKPT_STORAGE else ())
     values: dict[str, int] = {}
-    for part in parts[1:]:
-        key, sep, raw = part.partition("=")
-        key = key.strip()
-        if not sep:
-            raise _spec_error(text, f"{part!r} is not key=value")
-        if key not in VALID_KEYS:
+    storage: list[tuple[str, str]] = []
+    for key, raw in fields.items():
+        if key not in allowed:
             raise _spec_error(text, f"unknown key {key!r}")
-        if key in values:
-            raise _spec_error(text, f"key {key!r} given twice")
-        raw = raw.strip()
+        if key in STORAGE_KEYS:
+            if not raw:
+                raise _spec_error(text, f"{key}= needs a value")
+            storage.append((key, raw))
+            continue
         if not (raw.isascii() and raw.isdigit()):
             raise _spec_error(text, f"{key}={raw!r} is not a non-negative integer")
         values[key] = int(raw)
@@ -137,6 +174,7 @@ def parse_fault_spec(text: str) -> FaultSpec:
         step=values["step"],
         rank=values.get("rank"),
         attempt=values.get("attempt", 0),
+        storage=tuple(storage),
     )
 
 
@@ -233,11 +271,18 @@ class FaultPlan:
     def storage_fault_due(self, step: int, rank: int, attempt: int) -> bool:
         """Return True once for a ckpt-storage fault whose step has been reached.
 
-        Called by the trainer on every rank before each checkpoint save at `step`.
-        A ckpt-storage spec for this rank and attempt with spec.step <= step that this
-        process has not used yet is consumed and makes this return True; the trainer
-        then makes that save's writes fail on this rank.
+        Like :meth:`storage_faults_due`, as a yes/no.
         """
+        return bool(self.storage_faults_due(step, rank, attempt))
+
+    def storage_faults_due(self, step: int, rank: int, attempt: int) -> list[FaultSpec]:
+        """Consume and return the ckpt-storage faults whose step has been reached.
+
+        A ckpt-storage spec for this rank and attempt with spec.step <= step that this
+        process has not used yet is consumed and returned; the caller arms it for the
+        next checkpoint save on this rank (`RunGuard` does, before each step).
+        """
+        due = []
         for index, spec in enumerate(self.specs):
             if (
                 spec.kind is FaultKind.CKPT_STORAGE
@@ -247,8 +292,8 @@ class FaultPlan:
             ):
                 self._consumed.add(index)
                 logger.warning("rank %d step %d: injecting fault %s", rank, step, spec)
-                return True
-        return False
+                due.append(spec)
+        return due
 
     @staticmethod
     def _act(spec: FaultSpec, step: int, rank: int) -> None:

@@ -194,3 +194,31 @@ def job_restart_count(identity: RunIdentity, process_group: dist.ProcessGroup | 
             count,
         )
     return count
+
+
+ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Must be "1" in torchrun's environment for restarts to reach a working process group."""
+
+
+def restart_setup_problem(env: Mapping[str, str] | None = None) -> str | None:
+    """Why restarts of this torchrun job may hang, or None when they should work (pure).
+
+    Workers see torchrun's environment. With restarts allowed
+    (TORCHELASTIC_MAX_RESTARTS > 0) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset, a
+    restarted worker group can reuse the rank-0 agent's TCP store and read stale peer
+    addresses (pytorch#135712): measured here, ``--standalone --max_restarts=1`` hung in
+    ``init_process_group`` after a worker kill. A worker cannot fix its agent's
+    environment, so this only says what to set.
+    """
+    source: Mapping[str, str] = os.environ if env is None else env
+    try:
+        max_restarts = int(source.get(ENV_MAX_RESTARTS, "0") or 0)
+    except ValueError:
+        return None
+    if max_restarts <= 0 or source.get(ENV_DISABLE_SHARED_STORE, "") == "1":
+        return None
+    return (
+        f"torchrun allows {max_restarts} restart(s) but {ENV_DISABLE_SHARED_STORE}=1 is not set "
+        "in its environment: a restarted worker group may hang in init_process_group "
+        f"(pytorch#135712). Launch as `{ENV_DISABLE_SHARED_STORE}=1 torchrun ...`."
+    )

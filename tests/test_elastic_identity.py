@@ -96,3 +96,22 @@ def test_malformed_values_name_the_variable(overrides: dict[str, str], named: st
 def test_job_restart_count_without_process_group_is_local() -> None:
     identity = RunIdentity.from_env({"TORCHELASTIC_RESTART_COUNT": "4"})
     assert job_restart_count(identity) == 4
+
+
+@pytest.mark.parametrize(
+    ("env", "warns"),
+    [
+        ({}, False),  # not under torchrun
+        ({"TORCHELASTIC_MAX_RESTARTS": "0"}, False),  # no restarts, nothing to reuse
+        ({"TORCHELASTIC_MAX_RESTARTS": "3"}, True),
+        ({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, False),
+        ({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}, True),
+    ],
+)
+def test_restart_setup_problem_names_the_variable_to_set(env, warns):
+    from elastic.identity import restart_setup_problem
+
+    problem = restart_setup_problem(env)
+    assert (problem is not None) == warns
+    if warns:
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in problem

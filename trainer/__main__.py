@@ -3,7 +3,8 @@
 ``python -m trainer report RUN_DIR ...`` summarizes a finished run instead (trainer/report.py).
 
 Exit codes: 0 done; 1 a configuration/environment error found after start (batch layout,
-checkpoint directory, checkpoint of another model, checkpoint library error); 2 a bad
+checkpoint directory ``ckpt.CheckpointDirError``, checkpoint of another model
+``ckpt.CheckpointShapeError``, any other checkpoint library error); 2 a bad
 command line or config (argparse style); 128+N stopped by signal N (SIGTERM: 143).
 """
 
@@ -15,8 +16,7 @@ import os
 import sys
 
 import ckpt
-from elastic.identity import RunIdentity
-from trainer.checkpointing import CheckpointDirError, CheckpointShapeError
+from elastic.identity import RunIdentity, restart_setup_problem
 from trainer.cli import build_parser, config_from_args
 from trainer.data import BatchLayout, BatchLayoutError
 from trainer.distributed import close_distributed, init_distributed
@@ -24,7 +24,7 @@ from trainer.loop import TrainingPreempted, train
 
 logger = logging.getLogger("trainer")
 
-USER_ERRORS = (BatchLayoutError, CheckpointDirError, CheckpointShapeError, ckpt.CheckpointError)
+USER_ERRORS = (BatchLayoutError, ckpt.CheckpointError)
 """Errors caused by the configuration or the environment: reported without a traceback."""
 
 
@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     _setup_logging(identity.rank)
+    problem = restart_setup_problem()
+    if problem is not None and identity.rank == 0:
+        logger.warning("rank 0: %s", problem)
     try:
         # Fail before the rendezvous: every rank knows the world size from the environment.
         BatchLayout.plan(cfg.data.global_batch, cfg.data.micro_batch, identity.world_size)

@@ -1,4 +1,4 @@
-"""Command line of ``python -m trainer`` (the contract in DESIGN.md).
+"""Command line of ``python -m trainer`` (the contract in docs/design.md).
 
 Precedence: defaults < TOML file < ``--set`` overrides < dedicated flags
 (``--ckpt-dir``, ``--max-steps``, ``--ckpt-every``, ``--run-dir``, ``--fault``).

@@ -6,12 +6,12 @@ the next ``global_batch`` positions from the cursor; every micro-batch is a cont
 run of ``micro_batch`` positions, and rank ``r`` of ``W`` takes the micro-batches
 ``r*A .. r*A+A-1`` (``A`` = accumulation steps). The micro-batches of a step are therefore
 the same at every world size; only which rank computes them changes, so nothing is keyed
-by rank and the job can resume on any world size at the same global position.
+by rank and the job can resume on any world size at the same global position. The order
+itself is ``elastic.sampler.GlobalOrder``, the one behind the public ``ElasticSampler``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from elastic.sampler import GlobalOrder, samples_digest
 from trainer.config import DataConfig
 from trainer.corpus import arithmetic_tokens
 
@@ -109,36 +110,6 @@ def build_samples(cfg: DataConfig, seq_len: int, vocab_size: int) -> TokenSample
     return samples
 
 
-class GlobalOrder:
-    """The job-wide sample order: a seeded permutation per epoch, indexed by global position.
-
-    Position ``p`` (0-based count of samples consumed by the whole job) maps to epoch
-    ``p // n`` and sample ``perm(seed, epoch)[p % n]``. Pure: no state, any rank, any world size.
-    """
-
-    def __init__(self, n_samples: int, seed: int) -> None:
-        self.n_samples = n_samples
-        self.seed = seed
-        self._cache: dict[int, np.ndarray] = {}
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        perm = self._cache.get(epoch)
-        if perm is None:
-            rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch, 0x5A3D]))
-            perm = rng.permutation(self.n_samples)
-            self._cache = {epoch: perm}  # positions only move forward; keep one epoch
-        return perm
-
-    def sample_ids(self, start: int, count: int) -> np.ndarray:
-        """Sample ids at global positions ``start .. start+count-1``."""
-        positions = np.arange(start, start + count)
-        out = np.empty(count, dtype=np.int64)
-        for epoch in np.unique(positions // self.n_samples):
-            mask = positions // self.n_samples == epoch
-            out[mask] = self.permutation(int(epoch))[positions[mask] % self.n_samples]
-        return out
-
-
 def micro_batch_ids(
     order: GlobalOrder, cursor: int, layout: BatchLayout, rank: int
 ) -> list[np.ndarray]:
@@ -152,6 +123,13 @@ def micro_batch_ids(
     return [ids[k * layout.micro : (k + 1) * layout.micro] for k in range(layout.accum)]
 
 
-def samples_digest(ids: np.ndarray) -> str:
-    """Short digest of a sequence of global sample ids (logged per step to compare runs)."""
-    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+__all__ = [
+    "BatchLayout",
+    "BatchLayoutError",
+    "GlobalOrder",
+    "TokenSamples",
+    "build_samples",
+    "load_token_file",
+    "micro_batch_ids",
+    "samples_digest",
+]

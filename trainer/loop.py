@@ -1,9 +1,10 @@
 """The training loop: build the pieces, resume, train step by step, checkpoint, record.
 
 Reads top to bottom like nanoGPT's train.py; construction lives in builders
-(``build_samples``, ``build_model``, ``build_optimizer``), saving and resuming in
-``trainer.checkpointing.Checkpointer``, and the elastic hooks (fault injection, SIGTERM,
-watchdog, stragglers) in ``elastic``. Every rank runs ``train`` with the same config.
+(``build_samples``, ``build_model``, ``build_optimizer``). The trainer is the first user
+of the public API: saving and resuming is ``ckpt.CheckpointManager``, the elastic hooks
+(fault injection, SIGTERM and emergency saves, watchdog, stragglers) are
+``elastic.RunGuard``. Every rank runs ``train`` with the same config.
 
 Step numbering: step ``S`` is the S-th optimizer step (1-based). Faults for step ``S`` and
 preemption checks run at the start of step ``S``, before any compute, so "kill at step 5"
@@ -16,10 +17,9 @@ import contextlib
 import logging
 import math
 import os
-import signal
-import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,13 +27,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from elastic.faults import FaultPlan, FaultSpec
-from elastic.identity import RunIdentity, job_restart_count
-from elastic.preemption import PreemptionHandler, agree_on_preemption
-from elastic.straggler import StragglerMonitor
-from elastic.watchdog import Watchdog
+from ckpt import CheckpointManager
+from elastic.guard import Preempted, RunGuard
 from trainer.build import build_model, build_optimizer
-from trainer.checkpointing import Checkpointer, ResumeInfo, TrainProgress, check_checkpoint_dir
 from trainer.config import TrainConfig
 from trainer.data import (
     BatchLayout,
@@ -53,20 +49,22 @@ logger = logging.getLogger(__name__)
 FINAL_PARAMS_FILE = "final_params.pt"
 ENV_CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
 """Set (if unset) before CUDA work when ``run.deterministic``; a user's value wins."""
-SLOW_PHASE_ALLOWANCE_S = 900.0
-"""Watchdog allowance around checkpoint loads and saves (storage calls have own timeouts)."""
+METADATA_VERSION = 1
+
+TrainingPreempted = Preempted
+"""A termination signal stopped training (``elastic.Preempted``: exit code 128+signal)."""
 
 
-class TrainingPreempted(RuntimeError):
-    """A termination signal stopped training at a step boundary (after any emergency save)."""
+@dataclass(slots=True, kw_only=True)
+class TrainProgress:
+    """Where training stands: optimizer steps done and global samples consumed."""
 
-    def __init__(self, step: int, signal_name: str, saved: bool) -> None:
-        super().__init__(
-            f"stopped by {signal_name} after step {step}"
-            + (" (emergency checkpoint saved)" if saved else " (resume from the last checkpoint)")
-        )
-        self.step = step
-        self.exit_code = 128 + int(getattr(signal, signal_name, signal.SIGTERM))
+    step: int = 0
+    """Optimizer steps completed (the next step is ``step + 1``)."""
+    cursor: int = 0
+    """Global data cursor: samples consumed by the whole job."""
+    world_sizes: list[int] = field(default_factory=list)
+    """World size of each attempt that trained, in order (for diagnosis)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,61 +133,11 @@ def train(cfg: TrainConfig, ctx: DistContext) -> TrainProgress:
 
     Raises ``TrainingPreempted`` after a SIGTERM (the entry point turns it into an exit code).
     """
-    attempt = job_restart_count(RunIdentity.from_env())
-    with contextlib.ExitStack() as stack:
-        recorder = RunRecorder(cfg.run.run_dir, enabled=ctx.is_main)
-        stack.callback(recorder.close)
-        preemption = stack.enter_context(PreemptionHandler())
-        return _train(cfg, ctx, attempt, recorder, preemption, stack)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _build_checkpointer(
-    cfg: TrainConfig, ctx: DistContext, attempt: int, recorder: RunRecorder
-) -> Checkpointer | None:
-    if not cfg.checkpoint.dir:
-        return None
-    extra = {
-        "seed": cfg.run.seed,
-        "data_seed": cfg.data.seed,
-        "global_batch": cfg.data.global_batch,
-        "model_digest": cfg.model_digest(),
-        "restart_count": attempt,
-    }
-    return Checkpointer(
-        cfg.checkpoint.dir,
-        ctx,
-        seed=cfg.run.seed,
-        extra_metadata=extra,
-        record_event=recorder.event,
-        async_save=cfg.checkpoint.async_save,
-    )
-
-
-def _report_resume(
-    resumed: ResumeInfo | None,
-    progress: TrainProgress,
-    attempt: int,
-    recorder: RunRecorder,
-    ctx: DistContext,
-) -> None:
-    if resumed is None:
-        if ctx.is_main:
-            logger.info("rank 0: no committed checkpoint found; starting from step 0")
-        return
-    rng_note = "restored per rank" if resumed.rng_restored else "re-derived from (seed, step, rank)"
-    if ctx.is_main:
-        logger.info(
-            "rank 0: resumed step %d from %s (world size %d -> %d, data cursor %d, RNG %s, %.2fs)",
-            resumed.step, resumed.url, resumed.old_world_size, resumed.new_world_size,
-            progress.cursor, rng_note, resumed.duration_s,
-        )  # fmt: skip
-    recorder.event(
-        "resume", resumed.step, url=resumed.url, old_world_size=resumed.old_world_size,
-        new_world_size=resumed.new_world_size, data_cursor=progress.cursor,
-        rng_restored=resumed.rng_restored, restart_count=attempt,
-        bytes=resumed.bytes_read, duration_s=resumed.duration_s,
-    )  # fmt: skip
+    recorder = RunRecorder(cfg.run.run_dir, rank=ctx.rank)
+    try:
+        return _train(cfg, ctx, recorder)
+    finally:
+        recorder.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,14 +149,10 @@ class TrainingRun:
     samples: TokenSamples
     order: GlobalOrder
     layout: BatchLayout
-    faults: FaultPlan
-    checkpointer: Checkpointer | None
 
 
-def build_run(
-    cfg: TrainConfig, ctx: DistContext, attempt: int, recorder: RunRecorder
-) -> TrainingRun:
-    """Build data, model, optimizer, fault plan and checkpointer (all ranks, same order)."""
+def build_run(cfg: TrainConfig, ctx: DistContext) -> TrainingRun:
+    """Build data, model and optimizer (all ranks, same order)."""
     layout = BatchLayout.plan(cfg.data.global_batch, cfg.data.micro_batch, ctx.world_size)
     samples = build_samples(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
     model = build_model(cfg, samples.vocab_size, ctx)
@@ -218,130 +162,150 @@ def build_run(
         samples=samples,
         order=GlobalOrder(len(samples), cfg.data.seed),
         layout=layout,
-        faults=FaultPlan.from_args_and_env(cfg.run.faults),
-        checkpointer=_build_checkpointer(cfg, ctx, attempt, recorder),
     )
 
 
-def _stop_if_preempted(
-    preemption: PreemptionHandler,
-    run: TrainingRun,
-    progress: TrainProgress,
-    last_saved_step: int | None,
-    recorder: RunRecorder,
-) -> None:
-    """At a step boundary, agree across ranks on a SIGTERM; save if it fits, then stop."""
-    checkpointer = run.checkpointer
-    decision = None
-    if preemption.requested:
-        decision = preemption.decide(checkpointer.last_save_s if checkpointer else None)
-    agreed = agree_on_preemption(decision)
-    if agreed is None:
-        return
-    saved = False
-    if agreed.save and checkpointer is not None and last_saved_step != progress.step:
-        saved = checkpointer.save(run.model, run.optimizer, progress) is not None
-    recorder.event("preempted", progress.step, reason=agreed.reason, emergency_save=saved)
-    raise TrainingPreempted(progress.step, preemption.signal_name or "SIGTERM", saved)
-
-
-def _train(
+def build_checkpoints(
     cfg: TrainConfig,
     ctx: DistContext,
+    run: TrainingRun,
+    progress: TrainProgress,
     attempt: int,
     recorder: RunRecorder,
-    preemption: PreemptionHandler,
-    stack: contextlib.ExitStack,
-) -> TrainProgress:
+) -> CheckpointManager | None:
+    """The checkpoint manager of this attempt (None without ``checkpoint.dir``); collective.
+
+    Model and optimizer are the checkpointed objects; the step, data cursor and the
+    world-size history travel in the manifest's metadata, next to what identifies the
+    run (seeds, global batch, model digest).
+    """
+    if not cfg.checkpoint.dir:
+        return None
+
+    def metadata(step: int) -> dict[str, Any]:
+        return {
+            "trainer_metadata_version": METADATA_VERSION,
+            "step": step,
+            "data_cursor": progress.cursor,
+            "lr_schedule": {"kind": "warmup_cosine", "step": step},
+            "world_size": ctx.world_size,
+            "world_sizes": progress.world_sizes,
+            "seed": cfg.run.seed,
+            "data_seed": cfg.data.seed,
+            "global_batch": cfg.data.global_batch,
+            "model_digest": cfg.model_digest(),
+            "restart_count": attempt,
+        }
+
+    def on_event(name: str, step: int, **fields: Any) -> None:
+        if name == "resume" and manager.last_resume is not None:
+            fields["data_cursor"] = int(manager.last_resume.metadata["data_cursor"])
+            fields["restart_count"] = attempt
+        recorder.event(name, step, **fields)
+
+    manager = CheckpointManager(
+        cfg.checkpoint.dir,
+        {"model": run.model, "optim": run.optimizer},
+        every=cfg.checkpoint.every,
+        async_save=cfg.checkpoint.async_save,
+        seed=cfg.run.seed,
+        metadata=metadata,
+        on_event=on_event,
+    )
+    return manager
+
+
+def resume(
+    manager: CheckpointManager, progress: TrainProgress, cfg: TrainConfig, ctx: DistContext
+) -> None:
+    """Resume from the newest committed checkpoint, or check the root is usable (collective)."""
+    if not cfg.checkpoint.resume:
+        manager.check_root()
+        return
+    if ctx.is_main:
+        logger.info("rank 0: looking for a committed checkpoint under %s", manager.root)
+    if manager.resume() is None:
+        if ctx.is_main:
+            logger.info("rank 0: no committed checkpoint found; starting from step 0")
+        return
+    resumed = manager.last_resume
+    assert resumed is not None
+    progress.step = int(resumed.metadata["step"])
+    progress.cursor = int(resumed.metadata["data_cursor"])
+    progress.world_sizes = [int(w) for w in resumed.metadata.get("world_sizes", [])]
+    if ctx.is_main:
+        rng_note = (
+            "restored per rank" if resumed.rng_restored else "re-derived from (seed, step, rank)"
+        )
+        logger.info(
+            "rank 0: resumed step %d from %s (world size %d -> %d, data cursor %d, RNG %s, %.2fs)",
+            resumed.step, resumed.url, resumed.old_world_size, resumed.new_world_size,
+            progress.cursor, rng_note, resumed.duration_s,
+        )  # fmt: skip
+
+
+def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainProgress:
     if cfg.run.deterministic:
         if ctx.device.type == "cuda":  # cuBLAS needs this for deterministic matmuls
             os.environ.setdefault(ENV_CUBLAS_WORKSPACE, ":4096:8")
         torch.use_deterministic_algorithms(True)
-    run = build_run(cfg, ctx, attempt, recorder)
-    model, optimizer, layout, checkpointer = run.model, run.optimizer, run.layout, run.checkpointer
+    run = build_run(cfg, ctx)
+    model, optimizer, layout = run.model, run.optimizer, run.layout
     progress = TrainProgress()
+    guard = RunGuard(
+        faults=cfg.run.faults,
+        on_event=recorder.event,
+        watchdog_s=cfg.run.watchdog_s,
+        dump_dir=cfg.run.run_dir or None,
+        straggler_every=cfg.run.straggler_every,
+    )
+    attempt = guard.attempt
     if ctx.is_main:
         logger.info(
             "rank 0: world_size=%d restart_count=%d global_batch=%d micro_batch=%d grad_accum=%d samples=%d",
             ctx.world_size, attempt, layout.global_batch, layout.micro, layout.accum, len(run.samples),
         )  # fmt: skip
+    manager = build_checkpoints(cfg, ctx, run, progress, attempt, recorder)
+    guard.saver = manager
+    with guard, manager if manager is not None else contextlib.nullcontext():
+        if manager is not None:
+            with guard.slow_phase():
+                resume(manager, progress, cfg, ctx)
+        progress.world_sizes.append(ctx.world_size)
+        recorder.event("start", progress.step, world_size=ctx.world_size, restart_count=attempt)
 
-    if checkpointer is not None and cfg.checkpoint.resume:
-        if ctx.is_main:
-            logger.info("rank 0: looking for a committed checkpoint under %s", checkpointer.root)
-        resumed = checkpointer.resume(model, optimizer, progress)
-        _report_resume(resumed, progress, attempt, recorder, ctx)
-    elif checkpointer is not None:
-        check_checkpoint_dir(checkpointer.root)
-    progress.world_sizes.append(ctx.world_size)
-    recorder.event("start", progress.step, world_size=ctx.world_size, restart_count=attempt)
-
-    watchdog = None
-    if cfg.run.watchdog_s > 0:
-        dump_dir = cfg.run.run_dir or tempfile.gettempdir()
-        watchdog = stack.enter_context(Watchdog(cfg.run.watchdog_s, dump_dir, rank=ctx.rank))
-    stragglers = StragglerMonitor(cfg.run.straggler_every) if cfg.run.straggler_every else None
-
-    def slow_phase() -> contextlib.AbstractContextManager[None]:
-        return watchdog.allow(SLOW_PHASE_ALLOWANCE_S) if watchdog else contextlib.nullcontext()
-
-    def on_fault(spec: FaultSpec) -> None:
-        recorder.event("fault", progress.step + 1, spec=str(spec), rank=ctx.rank)
-
-    last_saved_step = progress.step or None
-    first_step = progress.step + 1
-    while progress.step < cfg.run.max_steps:
-        step = progress.step + 1
-        run.faults.fire(step, ctx.rank, attempt, on_fire=on_fault)
-        with slow_phase():
-            _stop_if_preempted(preemption, run, progress, last_saved_step, recorder)
-
-        lr = lr_at(step, cfg.optim)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        started = time.perf_counter()
-        # The first step of an attempt warms up (allocations, gloo connections): allow more.
-        with slow_phase() if step == first_step else contextlib.nullcontext():
+        for step in guard.steps(progress.step, cfg.run.max_steps):
+            lr = lr_at(step, cfg.optim)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            started = time.perf_counter()
             result = train_step(
                 model, optimizer, run.samples, run.order, layout, progress, cfg, ctx
             )
-        elapsed = time.perf_counter() - started
-        progress.step = step
-        progress.cursor += layout.global_batch
-        if watchdog is not None:
-            watchdog.beat(step)
+            elapsed = time.perf_counter() - started
+            guard.record_step_time(elapsed)
+            progress.step = step
+            progress.cursor += layout.global_batch
 
-        tokens_per_s = layout.global_batch * cfg.model.seq_len / max(elapsed, 1e-9)
-        recorder.metrics({
-            "step": step, "loss": result.loss, "lr": lr, "world_size": ctx.world_size,
-            "restart_count": attempt, "tokens_per_s": tokens_per_s, "grad_norm": result.grad_norm,
-            "samples_digest": samples_digest(result.sample_ids), "data_cursor": progress.cursor,
-            "step_time_s": elapsed,
-        })  # fmt: skip
-        if ctx.is_main and (step % cfg.run.log_every == 0 or step == cfg.run.max_steps):
-            logger.info(
-                "rank 0 step %d/%d: loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s",
-                step, cfg.run.max_steps, result.loss, lr, result.grad_norm, tokens_per_s,
-            )  # fmt: skip
-        if stragglers is not None:
-            report = stragglers.record(elapsed)
-            if report and report["stragglers"]:
-                recorder.event("stragglers", step, **report)
+            tokens_per_s = layout.global_batch * cfg.model.seq_len / max(elapsed, 1e-9)
+            recorder.metrics({
+                "step": step, "loss": result.loss, "lr": lr, "world_size": ctx.world_size,
+                "restart_count": attempt, "tokens_per_s": tokens_per_s, "grad_norm": result.grad_norm,
+                "samples_digest": samples_digest(result.sample_ids), "data_cursor": progress.cursor,
+                "step_time_s": elapsed,
+            })  # fmt: skip
+            if ctx.is_main and (step % cfg.run.log_every == 0 or step == cfg.run.max_steps):
+                logger.info(
+                    "rank 0 step %d/%d: loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s",
+                    step, cfg.run.max_steps, result.loss, lr, result.grad_norm, tokens_per_s,
+                )  # fmt: skip
+            if manager is not None:
+                with guard.slow_phase():
+                    # The last step's save is synchronous: the run ends on a commit.
+                    manager.maybe_save(step, final=step == cfg.run.max_steps)
 
-        every = cfg.checkpoint.every
-        due = (every and step % every == 0) or step == cfg.run.max_steps
-        if checkpointer is not None and due:
-            fail_storage = run.faults.storage_fault_due(step, ctx.rank, attempt)
-            with slow_phase():
-                # The last step's save is synchronous: the run ends on a commit.
-                background = step != cfg.run.max_steps
-                if checkpointer.save(
-                    model, optimizer, progress, fail_storage=fail_storage, background=background
-                ):
-                    last_saved_step = step
-
-    if checkpointer is not None:
-        checkpointer.drain()
+        if manager is not None:
+            manager.wait()
     if cfg.run.save_final:
         path = save_final_params(model, cfg.run.run_dir, ctx)
         if path is not None:

@@ -1,0 +1,203 @@
+"""From a user's dict of training objects to a checkpoint's state dict, and back.
+
+``CheckpointManager`` takes one dict, e.g.
+``{"model": model, "optim": optimizer, "sched": scheduler, "sampler": sampler, "epoch": 3}``.
+Each value is one of:
+
+- an ``nn.Module`` (FSDP2 or plain): saved through DCP's ``get_model_state_dict``
+  (sharded DTensors, resharded on load), restored with ``set_model_state_dict``;
+- a ``torch.optim.Optimizer``: ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
+  against the module in the same dict that owns its parameters;
+- any ``Stateful`` (``state_dict()`` and ``load_state_dict()``: LR schedulers, samplers,
+  your own objects): its state dict, which must be the same on every rank (DCP keeps
+  one copy of a non-tensor item);
+- a plain value (``int``, ``float``, ``str``, ``bool``, ``None``, lists and dicts of
+  them): saved as is and put back into the dict on load.
+
+Two traps are handled here. DCP's ``get_optimizer_state_dict`` on an optimizer that has
+not stepped yet runs a zero-learning-rate ``step()`` to create its state, which sets
+Adam's ``step`` counter: a save of such an optimizer records it as *fresh* and saves
+nothing for it, and a load builds a template for it only when the checkpoint holds its
+state. Pure bookkeeping; no collectives except those inside DCP's state-dict helpers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from ckpt.rng import RNG_STATE_KEY
+
+PLAIN_TYPES = (int, float, str, bool, type(None))
+
+
+class StateSpecError(TypeError):
+    """A value in the manager's state dict cannot be checkpointed as given."""
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` follows torch's ``Stateful`` protocol (``state_dict``/``load_state_dict``)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, PLAIN_TYPES):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+@dataclass(slots=True)
+class AppState:
+    """The classified objects of one manager: modules, optimizers, Statefuls, plain values."""
+
+    objects: dict[str, Any]
+    modules: dict[str, torch.nn.Module] = field(default_factory=dict)
+    optimizers: dict[str, tuple[torch.optim.Optimizer, torch.nn.Module]] = field(
+        default_factory=dict
+    )
+    statefuls: dict[str, Any] = field(default_factory=dict)
+    plain: list[str] = field(default_factory=list)
+
+    @classmethod
+    def classify(cls, objects: dict[str, Any]) -> AppState:
+        """Sort ``objects`` by kind; raises :class:`StateSpecError` naming a bad key."""
+        if not isinstance(objects, dict) or not objects:
+            raise StateSpecError(
+                "state must be a non-empty dict of name -> model, optimizer, scheduler, "
+                f"Stateful or plain value, got {type(objects).__name__}"
+            )
+        app = cls(objects)
+        for key, value in objects.items():
+            if not isinstance(key, str) or not key or "." in key or "/" in key:
+                raise StateSpecError(f"state key {key!r}: use a non-empty str without '.' or '/'")
+            if key == RNG_STATE_KEY:
+                raise StateSpecError(
+                    f"state key {key!r} is reserved for the per-rank RNG state the manager saves"
+                )
+            if isinstance(value, torch.nn.Module):
+                app.modules[key] = value
+            elif isinstance(value, torch.optim.Optimizer):
+                app.optimizers[key] = (value, None)  # type: ignore[assignment]
+            elif is_stateful(value):
+                app.statefuls[key] = value
+            elif _is_plain(value):
+                app.plain.append(key)
+            else:
+                raise StateSpecError(
+                    f"state[{key!r}] is a {type(value).__name__}: give an nn.Module, an "
+                    "optimizer, an object with state_dict()/load_state_dict(), or a plain "
+                    "value (int, float, str, bool, None, lists/dicts of them)"
+                )
+        for key, (optim, _) in list(app.optimizers.items()):
+            app.optimizers[key] = (optim, app._owner_of(key, optim))
+        return app
+
+    def _owner_of(self, key: str, optim: torch.optim.Optimizer) -> torch.nn.Module:
+        wanted = {id(p) for group in optim.param_groups for p in group["params"]}
+        for module in self.modules.values():
+            if wanted & {id(p) for p in module.parameters()}:
+                return module
+        raise StateSpecError(
+            f"state[{key!r}] optimizes parameters of no nn.Module in the state; add the model "
+            "it trains to the same dict"
+        )
+
+    # -- save ----------------------------------------------------------------------------
+
+    def fresh_optimizers(self) -> list[str]:
+        """Keys of optimizers that have not stepped yet (no state to save)."""
+        return sorted(key for key, (optim, _) in self.optimizers.items() if not optim.state)
+
+    def state_dict(self, *, skip_optimizers: list[str] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+        """The checkpoint state (tensors by reference; DCP or staging copies them)."""
+        out: dict[str, Any] = {}
+        for key, module in self.modules.items():
+            out[key] = get_model_state_dict(module)
+        for key, (optim, owner) in self.optimizers.items():
+            if key not in skip_optimizers:
+                out[key] = get_optimizer_state_dict(owner, optim)
+        for key, obj in self.statefuls.items():
+            out[key] = obj.state_dict()
+        for key in self.plain:
+            out[key] = self.objects[key]
+        return out
+
+    # -- load ----------------------------------------------------------------------------
+
+    def load(self, loaded: dict[str, Any], *, skip_optimizers: list[str] = ()) -> None:  # type: ignore[assignment]
+        """Push a loaded state (the template after ``ckpt.load``) back into the objects."""
+        for key, module in self.modules.items():
+            set_model_state_dict(module, loaded[key])
+        for key, (optim, owner) in self.optimizers.items():
+            if key not in skip_optimizers:
+                set_optimizer_state_dict(owner, optim, loaded[key])
+        for key, obj in self.statefuls.items():
+            obj.load_state_dict(loaded[key])
+        for key in self.plain:
+            self.objects[key] = loaded[key]
+
+    # -- descriptions ------------------------------------------------------------------
+
+    def tensor_shapes(self) -> dict[str, dict[str, list[int]]]:
+        """Global shape of every module tensor, by state key and name (for shape checks)."""
+        return {
+            key: {name: list(t.shape) for name, t in module.state_dict().items()}
+            for key, module in self.modules.items()
+        }
+
+    def local_bytes(self) -> int:
+        """Bytes of tensor data this rank holds for the state (for save-time estimates)."""
+        total = 0
+        for module in self.modules.values():
+            for t in module.state_dict().values():
+                total += _local_nbytes(t)
+        for optim, _ in self.optimizers.values():
+            for per_param in optim.state.values():
+                for value in per_param.values():
+                    total += _local_nbytes(value)
+        return total
+
+
+def _local_nbytes(value: Any) -> int:
+    if isinstance(value, DTensor):
+        value = value._local_tensor
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return 0
+
+
+def shape_mismatch(
+    expected: dict[str, dict[str, list[int]]], saved: dict[str, dict[str, list[int]]]
+) -> str | None:
+    """Describe the first tensor whose shape differs (or that one side lacks), else None."""
+    for key, shapes in expected.items():
+        theirs = saved.get(key)
+        if theirs is None:
+            continue  # an older checkpoint without this record: DCP's own checks apply
+        for name, shape in shapes.items():
+            if name not in theirs:
+                return f"tensor {name!r} (shape {shape}) is missing from the checkpoint"
+            if list(theirs[name]) != shape:
+                return (
+                    f"tensor {name!r} has shape {list(theirs[name])} in the checkpoint but "
+                    f"{shape} in this model"
+                )
+        for name, shape in theirs.items():
+            if name not in shapes:
+                return f"the checkpoint has tensor {name!r} (shape {list(shape)}) that this model lacks"
+    return None

@@ -1,0 +1,483 @@
+"""``CheckpointManager``: one object that owns a run's checkpoints.
+
+A training script builds one on every rank, right after its model, optimizer(s) and
+scheduler(s), and calls it at three places::
+
+    manager = ckpt.CheckpointManager(
+        args.ckpt_dir,
+        {"model": model, "optim": optimizer, "sched": scheduler, "sampler": sampler},
+        every=50, async_save=True,
+    )
+    start = manager.resume() or 0           # newest committed checkpoint, any world size
+    for step in range(start + 1, max_steps + 1):
+        ...                                 # forward, backward, optimizer.step()
+        manager.maybe_save(step, final=step == max_steps)
+    manager.close()
+
+It owns what the module-level ``ckpt.save``/``ckpt.load`` keep in process globals:
+the storage root and options, the checkpoint gloo group, the save in flight and its
+staging buffers (:class:`~ckpt.async_save.AsyncSaver`), the storage fault registry,
+retention, the save policy (every N steps, synchronous at the end, emergency on a
+termination signal through ``elastic.RunGuard``) and the event sink.
+
+Every method that touches checkpoints is a collective: every rank calls it, in the
+same order. A failed save is logged, reported as a ``checkpoint_failed`` event and
+training goes on (the previous committed checkpoint stays the newest).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
+
+from ckpt import async_save as _async
+from ckpt import dist as _dist
+from ckpt.app_state import AppState, shape_mismatch
+from ckpt.commit import save as _save
+from ckpt.discovery import find_latest_committed
+from ckpt.errors import (
+    CheckpointDirError,
+    CheckpointError,
+    CheckpointShapeError,
+    SaveFailedError,
+    StateMismatchError,
+    StorageError,
+)
+from ckpt.faults import FaultRegistry, parse_storage_faults
+from ckpt.restore import LoadResult
+from ckpt.restore import load as _load
+from ckpt.retention import RetentionPolicy
+from ckpt.rng import (
+    RNG_STATE_KEY,
+    capture_rng,
+    reseed_process,
+    restore_rng,
+    rng_device,
+    rng_key,
+)
+from ckpt.storage import Storage, StorageOptions
+
+logger = logging.getLogger(__name__)
+
+EventCallback = Callable[..., None]
+"""``on_event(name, step, **fields)``: the signature of a run recorder's ``event``."""
+
+MANAGER_META_KEY = "ckpt_manager"
+"""Manifest metadata entry where the manager records what it saved (keys, shapes, RNG)."""
+
+EVENT_NAMES = {
+    "ckpt_saved": "checkpoint_saved",
+    "ckpt_loaded": "checkpoint_loaded",
+    "ckpt_fallback": "fallback",
+}
+"""How the library's low-level events are named for the run's event log."""
+
+ESTIMATE_BYTES_PER_S = 50e6
+"""Before any save was timed, an emergency save is assumed to write this fast..."""
+ESTIMATE_FIXED_S = 2.0
+"""...plus this much for the protocol's collectives and the commit."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeInfo:
+    """What :meth:`CheckpointManager.resume` restored."""
+
+    step: int
+    url: str
+    old_world_size: int
+    new_world_size: int
+    rng_restored: bool
+    bytes_read: int
+    duration_s: float
+    metadata: dict[str, Any]
+    """The user metadata saved with the checkpoint (``metadata=`` at save time)."""
+
+
+class CheckpointManager:
+    """Saves and resumes one run's state under one root; every rank holds one.
+
+    ``state`` maps names to the objects to checkpoint (see :mod:`ckpt.app_state`):
+    models, optimizers, LR schedulers and other ``Stateful`` objects, plain values.
+    Plain values are put back into the same dict by :meth:`resume`.
+
+    ``every``: :meth:`maybe_save` saves every N steps (0: only at ``final``).
+    ``async_save``: periodic saves return once the state is staged (the copy itself
+    overlaps the next forward/backward and the optimizers' next ``step()`` waits for
+    it); the final and emergency saves are synchronous. ``rng``: save each rank's RNG
+    under its own key; on resume it is restored when the world size is unchanged and
+    re-derived from ``(seed, step, rank)`` otherwise. ``metadata``: a dict, or a function
+    of the step returning one, stored in the manifest and returned by :meth:`resume`
+    (``ResumeInfo.metadata``). ``on_event(name, step, **fields)`` receives
+    ``checkpoint_saved``, ``checkpoint_loaded``, ``fallback``, ``checkpoint_failed`` and
+    ``resume`` events (from the save thread too: it must be thread-safe).
+
+    Construct it on every rank at the same point: with a process group it creates the
+    checkpoint gloo group, which is a collective.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        state: dict[str, Any],
+        *,
+        every: int = 0,
+        async_save: bool = False,
+        rng: bool = True,
+        seed: int = 0,
+        metadata: dict[str, Any] | Callable[[int], dict[str, Any]] | None = None,
+        retention: RetentionPolicy | None = None,
+        on_event: EventCallback | None = None,
+        storage_options: StorageOptions | None = None,
+        process_group: Any = None,
+    ) -> None:
+        if not isinstance(root, str) or not root:
+            raise ValueError(f"root must be a non-empty str URL or path, got {root!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"every must be an int >= 0 (0: save only at the end), got {every!r}")
+        self.root = root
+        self.app = AppState.classify(state)
+        self.every = every
+        self.async_save = async_save
+        self.rng = rng
+        self.seed = seed
+        self._metadata = metadata
+        self.retention = retention
+        self._on_event = on_event
+        self.faults = FaultRegistry(read_env=True)
+        """Storage faults for this manager's saves and loads (``inject_storage_fault``, and
+        ``CKPT_STORAGE_FAULTS`` read at the first storage call)."""
+        base = storage_options if storage_options is not None else StorageOptions.from_env()
+        self.storage_options = _with_faults(base, self.faults)
+        self._async = _async.AsyncSaver()
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = _dist.new_checkpoint_group()
+        self._group = process_group
+        coll = _dist.Collective(process_group)
+        self.rank, self.world_size = coll.rank, coll.world_size
+        self.last_save_s: float | None = None
+        """Wall seconds of the last save that finished, sync or async (staging + persist)."""
+        self.last_committed_step: int | None = None
+        """Step of the newest checkpoint this manager committed or resumed from."""
+        self.last_resume: ResumeInfo | None = None
+        self._saves_in_flight: dict[int, dict[str, Any]] = {}
+        self._closed = False
+
+    # -- events --------------------------------------------------------------------------
+
+    def _emit(self, name: str, step: int, **fields: Any) -> None:
+        if self._on_event is not None:
+            self._on_event(name, step, **fields)
+
+    def _sink(self, **extra: Any) -> Callable[[dict[str, Any]], None]:
+        def sink(event: dict[str, Any]) -> None:
+            fields = dict(event)
+            raw = str(fields.pop("event", "ckpt_event"))
+            step = int(fields.pop("step", 0) or 0)
+            self._emit(EVENT_NAMES.get(raw, raw), step, **fields, **extra)
+
+        return sink
+
+    # -- root ----------------------------------------------------------------------------
+
+    def check_root(self) -> None:
+        """Fail early, on every rank together, when the root cannot be used (collective).
+
+        A local root is created; any root is listed (bounded by the storage timeouts),
+        so a bad scheme, a path under a file, missing permissions or a missing bucket
+        raise :class:`~ckpt.errors.CheckpointDirError` here instead of at the first save.
+        """
+
+        def check() -> None:
+            try:
+                storage = Storage(self.root, self.storage_options)
+                if isinstance(storage.fs, LocalFileSystem):
+                    storage.fs.makedirs(storage.path(), exist_ok=True)
+                storage.list_dir()
+                storage.check_reachable()  # a missing bucket lists as empty
+            except Exception as exc:  # any failure means the root is unusable
+                raise CheckpointDirError(
+                    f"checkpoint root {self.root!r} is not reachable or writable: "
+                    f"{type(exc).__name__}: {exc} [fix the path/URL or credentials]"
+                ) from exc
+
+        _dist.Collective(self._group).on_every_rank(f"checking {self.root}", check)
+
+    # -- resume --------------------------------------------------------------------------
+
+    def resume(self) -> int | None:
+        """Load the newest committed checkpoint that verifies; return its step, or None.
+
+        Collective. Checks the root first (:meth:`check_root`). Returns None, touching
+        nothing, when the root holds no committed checkpoint. Models and optimizers
+        reshard to this world size; a checkpoint that fails verification is reported
+        (``fallback`` event) and the previous one is used. Raises
+        :class:`~ckpt.errors.CheckpointShapeError` for a checkpoint of other shapes and
+        :class:`~ckpt.errors.NoLoadableCheckpointError` when none loads.
+        """
+        self.check_root()
+        coll = _dist.Collective(self._group)
+        storage = Storage(self.root, self.storage_options)
+
+        def newest() -> tuple[int, int, dict[str, Any]] | None:
+            info = find_latest_committed(storage)
+            if info is None or info.manifest is None:
+                return None
+            record = info.manifest.metadata.get(MANAGER_META_KEY, {})
+            return info.step, info.manifest.world_size, record if isinstance(record, dict) else {}
+
+        latest = coll.on_coordinator(f"finding the newest checkpoint under {self.root}", newest)
+        if latest is None:
+            return None
+        step, saved_world, record = latest
+        problem = shape_mismatch(self.app.tensor_shapes(), record.get("shapes", {}))
+        if problem is not None:
+            raise CheckpointShapeError(
+                f"checkpoint {self.root} (step {step}) was written for a different model: "
+                f"{problem}; load it with the model it was saved from, or use another root"
+            )
+        started = time.monotonic()
+        fresh = [k for k in record.get("fresh_optimizers", []) if k in self.app.optimizers]
+        want_rng = self.rng and saved_world == self.world_size
+        result, template, rng_loaded = self._load(fresh, want_rng)
+        if result is None:  # every committed checkpoint vanished between listing and loading
+            return None
+        self.app.load(template, skip_optimizers=fresh)
+        old_world = int(result.manifest.world_size)
+        loaded_step = int(result.step)
+        rng_restored = rng_loaded and old_world == self.world_size
+        if rng_restored:
+            restore_rng(template[RNG_STATE_KEY][rng_key(self.rank)], rng_device())
+        elif self.rng:
+            reseed_process(self.seed, loaded_step, self.rank)
+        user_meta = {k: v for k, v in result.metadata.items() if k != MANAGER_META_KEY}
+        self.last_resume = ResumeInfo(
+            step=loaded_step,
+            url=result.url,
+            old_world_size=old_world,
+            new_world_size=self.world_size,
+            rng_restored=rng_restored,
+            bytes_read=int(result.bytes_read),
+            duration_s=time.monotonic() - started,
+            metadata=user_meta,
+        )
+        self.last_committed_step = loaded_step
+        self._emit(
+            "resume",
+            loaded_step,
+            url=result.url,
+            old_world_size=old_world,
+            new_world_size=self.world_size,
+            rng_restored=rng_restored,
+            bytes=int(result.bytes_read),
+            duration_s=round(self.last_resume.duration_s, 4),
+        )
+        return loaded_step
+
+    def _load(
+        self, fresh: list[str], want_rng: bool
+    ) -> tuple[LoadResult | None, dict[str, Any], bool]:
+        template = self.app.state_dict(skip_optimizers=fresh)
+        if want_rng:
+            template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
+        try:
+            return self._load_into(template), template, want_rng
+        except StateMismatchError as exc:
+            if not want_rng:
+                raise
+            # A fallback landed on a checkpoint of another world size (no RNG key for us).
+            logger.warning("rank %d: retrying the load without RNG state: %s", self.rank, exc)
+            template.pop(RNG_STATE_KEY)
+            return self._load_into(template), template, False
+
+    def _load_into(self, template: dict[str, Any]) -> LoadResult | None:
+        return _load(
+            template,
+            self.root,
+            missing_ok=True,
+            process_group=self._group,
+            on_event=self._sink(),
+            storage_options=self.storage_options,
+            _saver=self._async,
+        )
+
+    # -- save ----------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether :meth:`maybe_save` saves at ``step`` (every ``every`` steps)."""
+        return bool(self.every) and step % self.every == 0
+
+    def maybe_save(self, step: int, *, final: bool = False) -> str | None:
+        """Save when ``step`` is due (every ``every`` steps) or ``final``; else do nothing.
+
+        Periodic saves are asynchronous with ``async_save``; a ``final`` save is
+        synchronous, so the run ends on a commit. Returns the checkpoint URL (for an
+        async save: where it will be committed), or None when nothing was saved or the
+        save failed (logged, ``checkpoint_failed`` event; training goes on).
+        """
+        if not (final or self.due(step)):
+            return None
+        return self.save(step, blocking=final or not self.async_save)
+
+    def save(self, step: int, *, blocking: bool = True, emergency: bool = False) -> str | None:
+        """Save ``step`` now (collective); returns the URL, or None when the save failed.
+
+        ``blocking=False`` returns once the state is staged (async). A step already
+        committed by this manager is not saved again. A background save that failed is
+        reported (event) before this one starts.
+        """
+        self._collect_previous()
+        if self.last_committed_step == step:
+            return self._url(step)
+        started = time.monotonic()
+        fresh = self.app.fresh_optimizers()
+        state = self.app.state_dict(skip_optimizers=fresh)
+        if self.rng:
+            state[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
+        user_meta = self._metadata(step) if callable(self._metadata) else self._metadata
+        meta = {
+            **(user_meta or {}),
+            MANAGER_META_KEY: {
+                "keys": sorted(self.app.objects),
+                "fresh_optimizers": fresh,
+                "rng": self.rng,
+                "shapes": self.app.tensor_shapes(),
+            },
+        }
+        extra = {"emergency": True} if emergency else {}
+        background = not blocking
+        try:
+            result = _save(
+                state,
+                self.root,
+                step,
+                metadata=meta,
+                process_group=self._group,
+                on_event=self._sink(**extra),
+                storage_options=self.storage_options,
+                retention=self.retention,
+                async_save=background,
+                overlap_staging=self._overlap(fresh) if background else None,
+                _saver=self._async,
+            )
+        except (SaveFailedError, StorageError) as exc:
+            self._report_failure(step, exc)
+            return None
+        if background:
+            assert isinstance(result, _async.PendingSave)
+            self._saves_in_flight[step] = extra
+            if self.rank == 0:
+                logger.info(
+                    "rank 0 step %d: checkpoint staged in %.3f s, committing in the background to %s",
+                    step,
+                    time.monotonic() - started,
+                    result.url,
+                )
+            return result.url
+        assert isinstance(result, str)
+        self.last_save_s = time.monotonic() - started
+        self.last_committed_step = step
+        if self.rank == 0:
+            logger.info("rank 0 step %d: checkpoint committed at %s", step, result)
+        return result
+
+    def _overlap(self, fresh: list[str]) -> list[torch.optim.Optimizer] | None:
+        # The staging copy overlaps the next forward/backward; each optimizer's next
+        # step() waits for it. Only when optimizers are the only in-place writers of
+        # the saved tensors, which is what a training loop between two saves does.
+        optimizers = [opt for key, (opt, _) in self.app.optimizers.items() if key not in fresh]
+        return optimizers or None
+
+    def _url(self, step: int) -> str:
+        from ckpt.layout import checkpoint_dirname
+
+        return Storage(self.root, self.storage_options).url(checkpoint_dirname(step))
+
+    def _collect_previous(self, timeout: float | None = None) -> None:
+        """Wait for the background save in flight; record its outcome (all ranks)."""
+        pending = self._async.pending
+        if pending is None or pending.step not in self._saves_in_flight:
+            return
+        self._saves_in_flight.pop(pending.step)
+        try:
+            self._async.wait_pending(timeout)
+        except (SaveFailedError, StorageError) as exc:
+            self._report_failure(pending.step, exc)
+            return
+        self.last_save_s = pending.duration_s
+        self.last_committed_step = pending.step
+
+    def _report_failure(self, step: int, exc: CheckpointError) -> None:
+        logger.error(
+            "rank %d step %d: checkpoint save failed, training continues: %s", self.rank, step, exc
+        )
+        self._emit("checkpoint_failed", step, error=str(exc), rank=self.rank)
+
+    def wait(self, timeout: float | None = None) -> str | None:
+        """Wait for a background save (all ranks); return the newest committed URL or None."""
+        self._collect_previous(timeout)
+        return None if self.last_committed_step is None else self._url(self.last_committed_step)
+
+    # -- emergency saves (the saver protocol of ``elastic.RunGuard``) ----------------------
+
+    def expected_save_s(self) -> float:
+        """Seconds a synchronous save of this state is expected to take on this rank.
+
+        The duration of the last save that finished (async included: staging and
+        persist), else an estimate from the bytes this rank holds.
+        """
+        if self.last_save_s is not None:
+            return self.last_save_s
+        return ESTIMATE_FIXED_S + self.app.local_bytes() / ESTIMATE_BYTES_PER_S
+
+    def emergency_save(self, step: int) -> bool:
+        """Commit ``step`` synchronously after a termination signal (collective).
+
+        Waits for a background save first; returns True when ``step`` is committed.
+        """
+        self._collect_previous()
+        if self.last_committed_step == step:
+            return True
+        return self.save(step, blocking=True, emergency=True) is not None
+
+    def inject_storage_fault(self, spec: str) -> None:
+        """Arm storage faults (``ckpt-storage:phase=..:error=..`` or ``PHASE:KIND``) for
+        this manager's next storage calls; the fault grammar of ``elastic.FaultPlan``."""
+        self.faults.install(*parse_storage_faults(spec))
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for a background save and free the staging buffers (all ranks).
+
+        Call before ``destroy_process_group``. A failed background save is reported as an
+        event and logged; close itself does not raise for it.
+        """
+        if self._closed:
+            return
+        try:
+            self._collect_previous(timeout)
+            self._async.close(timeout)
+        except CheckpointError as exc:
+            logger.error("rank %d: background checkpoint save failed: %s", self.rank, exc)
+        finally:
+            self._closed = True
+            self._group = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _with_faults(options: StorageOptions, registry: FaultRegistry) -> StorageOptions:
+    import dataclasses
+
+    return dataclasses.replace(options, faults=registry)

@@ -1,0 +1,236 @@
+"""``RunGuard``: the elastic hooks of a training loop in one ``with``.
+
+    with elastic.RunGuard(saver=manager, faults=args.fault, on_event=recorder.event) as guard:
+        start = manager.resume() or 0
+        for step in guard.steps(start, max_steps):
+            ...                                   # one optimizer step
+
+Before each step it fires the faults planned for (step, rank, attempt) (all kinds of
+:mod:`elastic.faults`, ``ckpt-storage`` armed in the saver), and checks for a
+termination signal: all ranks agree (one small all_reduce), an emergency checkpoint
+of the last finished step is committed if it fits the grace period (the saver's
+expected save time, async saves included), then :class:`Preempted` is raised, a
+``SystemExit`` with code 128+signal (143 for SIGTERM). After each step it feeds the
+watchdog and the straggler monitor. Events (``fault``, ``preempted``, ``stragglers``)
+go to ``on_event(name, step, every_rank=..., **fields)`` on every rank; a run recorder
+writes ``every_rank`` events (a fault fired on this rank) on every rank, so a fault on
+rank 1 is recorded by rank 1, and the others (agreed by all ranks) on rank 0 only.
+
+The saver is duck-typed (``ckpt.CheckpointManager`` is one): ``expected_save_s() ->
+float | None``, ``emergency_save(step) -> bool`` (collective) and
+``inject_storage_fault(spec: str)``. ``elastic`` never imports ``ckpt``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from elastic.faults import FaultPlan, FaultSpec
+from elastic.identity import RunIdentity, job_restart_count
+from elastic.preemption import PreemptionHandler, agree_on_preemption
+from elastic.straggler import StragglerMonitor
+from elastic.watchdog import Watchdog
+
+logger = logging.getLogger(__name__)
+
+SLOW_PHASE_ALLOWANCE_S = 900.0
+"""Watchdog allowance around checkpoint loads and saves and the first step of an attempt."""
+
+
+class EmergencySaver(Protocol):
+    """What :class:`RunGuard` needs from a checkpoint manager."""
+
+    def expected_save_s(self) -> float | None: ...
+
+    def emergency_save(self, step: int) -> bool: ...
+
+    def inject_storage_fault(self, spec: str) -> None: ...
+
+
+class Preempted(SystemExit):
+    """A termination signal stopped training at a step boundary (after any emergency save).
+
+    A ``SystemExit``: uncaught, the process exits with ``128 + signal`` (143 for
+    SIGTERM), after ``with`` blocks (the checkpoint manager's close) have run.
+    """
+
+    def __init__(self, step: int, signal_name: str, saved: bool) -> None:
+        super().__init__(128 + int(getattr(signal, signal_name, signal.SIGTERM)))
+        self.step = step
+        self.signal_name = signal_name
+        self.saved = saved
+
+    @property
+    def exit_code(self) -> int:
+        return int(self.code)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        how = (
+            " (emergency checkpoint saved)" if self.saved else " (resume from the last checkpoint)"
+        )
+        return f"stopped by {self.signal_name} after step {self.step}{how}"
+
+
+class RunGuard:
+    """Fault plan, preemption, watchdog and straggler report around a training loop.
+
+    Build it on every rank at the same point, after the process group exists (the
+    job-wide restart count is a collective) and in the main thread (signal handlers).
+
+    ``faults``: ``--fault`` specs (the ``TRAINER_FAULTS`` environment variable is added).
+    ``watchdog_s``: dump every thread's stack and exit when no step finishes for that
+    long (0: off); loads, saves and the first step get ``slow_phase_s`` more.
+    ``straggler_every``: compare step times across ranks every N steps (0: off).
+    ``grace_s``: seconds between the signal and SIGKILL (default: from the environment,
+    see :func:`elastic.preemption.grace_from_env`).
+    """
+
+    def __init__(
+        self,
+        *,
+        saver: EmergencySaver | None = None,
+        faults: Sequence[str] = (),
+        on_event: Callable[..., None] | None = None,
+        watchdog_s: float = 0.0,
+        dump_dir: str | None = None,
+        straggler_every: int = 0,
+        slow_phase_s: float = SLOW_PHASE_ALLOWANCE_S,
+        grace_s: float | None = None,
+        rank: int | None = None,
+        attempt: int | None = None,
+        process_group: Any = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        identity = RunIdentity.from_env(env)
+        self.plan = FaultPlan.from_args_and_env(faults, env)
+        self.saver = saver
+        self._on_event = on_event
+        self.process_group = process_group
+        if rank is None:
+            rank = _dist_rank(identity.rank)
+        self.rank = rank
+        self.attempt = job_restart_count(identity, process_group) if attempt is None else attempt
+        self.watchdog_s = watchdog_s
+        self.dump_dir = dump_dir or tempfile.gettempdir()
+        self.slow_phase_s = slow_phase_s
+        self.stragglers = StragglerMonitor(straggler_every) if straggler_every else None
+        self._grace_s = grace_s
+        self._env = env
+        self.preemption: PreemptionHandler | None = None
+        self.watchdog: Watchdog | None = None
+        self._stack = contextlib.ExitStack()
+        self._step_time_s: float | None = None
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def __enter__(self) -> RunGuard:
+        self.preemption = self._stack.enter_context(PreemptionHandler(self._grace_s, env=self._env))
+        if self.watchdog_s > 0:
+            self.watchdog = self._stack.enter_context(
+                Watchdog(self.watchdog_s, self.dump_dir, on_stall=self._on_stall, rank=self.rank)
+            )
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+        self.preemption = self.watchdog = None
+
+    def event(self, name: str, step: int, *, every_rank: bool = False, **fields: Any) -> None:
+        """Record an event: a fact of this rank alone (``every_rank``: a fault fired here) is
+        written by every rank; one the ranks agree on (preempted, stragglers) by rank 0."""
+        if self._on_event is not None:
+            self._on_event(name, step, every_rank=every_rank, **fields)
+
+    def _on_stall(self, info: Any) -> None:
+        self.event(
+            "watchdog_stall",
+            info.step or 0,
+            every_rank=True,
+            stalled_s=round(info.stalled_s, 3),
+            dump_path=info.dump_path,
+            rank=self.rank,
+        )
+
+    def slow_phase(self, seconds: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """A block the watchdog allows ``seconds`` more for (load, save, first step)."""
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.allow(self.slow_phase_s if seconds is None else seconds)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def steps(self, start: int, stop: int) -> Iterator[int]:
+        """Yield ``start+1 .. stop``, with :meth:`before_step` and :meth:`after_step` around
+        each; the first step of the attempt runs under the slow-phase allowance."""
+        for step in range(start + 1, stop + 1):
+            self.before_step(step)
+            self._step_time_s = None
+            started = time.perf_counter()
+            with self.slow_phase() if step == start + 1 else contextlib.nullcontext():
+                yield step
+            measured = time.perf_counter() - started
+            self.after_step(step, measured if self._step_time_s is None else self._step_time_s)
+
+    def record_step_time(self, seconds: float) -> None:
+        """Inside :meth:`steps`: the compute time of this step, for the straggler report
+        (default: the whole loop body, checkpoint saves included)."""
+        self._step_time_s = seconds
+
+    def before_step(self, step: int) -> None:
+        """Fire the faults planned for ``step``, then act on an agreed termination signal.
+
+        Collective (the preemption agreement): every rank calls it at every step.
+        Raises :class:`Preempted` after any emergency save of step ``step - 1``.
+        """
+        for spec in self.plan.storage_faults_due(step, self.rank, self.attempt):
+            self.event("fault", step, every_rank=True, spec=str(spec), rank=self.rank)
+            if self.saver is None:
+                raise ValueError(f"fault {spec} needs a checkpoint manager (RunGuard(saver=...))")
+            self.saver.inject_storage_fault(spec.storage_spec())
+        self.plan.fire(step, self.rank, self.attempt, on_fire=self._on_fault(step))
+        with self.slow_phase():
+            self._stop_if_preempted(step - 1)
+
+    def _on_fault(self, step: int) -> Callable[[FaultSpec], None]:
+        def record(spec: FaultSpec) -> None:
+            self.event("fault", step, every_rank=True, spec=str(spec), rank=self.rank)
+
+        return record
+
+    def _stop_if_preempted(self, done_step: int) -> None:
+        assert self.preemption is not None, "use RunGuard in a with block"
+        decision = None
+        if self.preemption.requested:
+            expected = self.saver.expected_save_s() if self.saver is not None else None
+            decision = self.preemption.decide(expected)
+        agreed = agree_on_preemption(decision, self.process_group)
+        if agreed is None:
+            return
+        saved = False
+        if agreed.save and self.saver is not None and done_step > 0:
+            saved = self.saver.emergency_save(done_step)
+        self.event("preempted", done_step, reason=agreed.reason, emergency_save=saved)
+        raise Preempted(done_step, self.preemption.signal_name or "SIGTERM", saved)
+
+    def after_step(self, step: int, step_time_s: float) -> None:
+        """Feed the watchdog; every ``straggler_every`` steps compare step times (collective)."""
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
+        if self.stragglers is not None:
+            report = self.stragglers.record(step_time_s)
+            if report and report["stragglers"]:
+                self.event("stragglers", step, **report)
+
+
+def _dist_rank(default: int) -> int:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return default
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else default
