@@ -64,8 +64,7 @@ def async_rounds(
 
     import ckpt
     from bench.gpt import build_tiny_gpt
-    from trainer.loop import TrainProgress
-    from trainer.loop import train_step
+    from trainer.loop import TrainProgress, train_step
 
     model, optim = build_trained(width)
     state = sharded_state(model, optim)

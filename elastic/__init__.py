@@ -17,6 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from elastic.events import RunRecorder
     from elastic.faults import (
         ENV_FAULTS,
         FaultKind,
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
         parse_fault_spec,
     )
     from elastic.guard import EmergencySaver, Preempted, RunGuard
-    from elastic.identity import RunIdentity, job_restart_count
+    from elastic.identity import RunIdentity, job_restart_count, restart_setup_problem
     from elastic.preemption import (
         PreemptionDecision,
         PreemptionHandler,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
         decide_emergency_save,
         grace_from_env,
     )
+    from elastic.process import exit_now
     from elastic.sampler import ElasticSampler, GlobalOrder, samples_digest
     from elastic.straggler import StragglerMonitor, find_stragglers
     from elastic.watchdog import StallInfo, Watchdog, process_group_timeout
@@ -53,6 +55,9 @@ _EXPORTS: dict[str, str] = {
     "GlobalOrder": "elastic.sampler",
     "samples_digest": "elastic.sampler",
     "RunIdentity": "elastic.identity",
+    "restart_setup_problem": "elastic.identity",
+    "RunRecorder": "elastic.events",
+    "exit_now": "elastic.process",
     "job_restart_count": "elastic.identity",
     "PreemptionDecision": "elastic.preemption",
     "PreemptionHandler": "elastic.preemption",
@@ -82,16 +87,19 @@ __all__ = [
     "PreemptionHandlerError",
     "RunGuard",
     "RunIdentity",
+    "RunRecorder",
     "StallInfo",
     "StragglerMonitor",
     "Watchdog",
     "agree_on_preemption",
     "decide_emergency_save",
+    "exit_now",
     "find_stragglers",
     "grace_from_env",
     "job_restart_count",
     "parse_fault_spec",
     "process_group_timeout",
+    "restart_setup_problem",
     "samples_digest",
 ]
 

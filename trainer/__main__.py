@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import sys
 
 import ckpt
 from elastic.identity import RunIdentity, restart_setup_problem
+from elastic.process import exit_now
 from trainer.cli import build_parser, config_from_args
 from trainer.data import BatchLayout, BatchLayoutError
 from trainer.distributed import close_distributed, init_distributed
@@ -76,19 +76,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _exit_now(code: int) -> None:
-    """Exit without interpreter teardown, once logs are flushed.
-
-    Everything durable is done by now (checkpoints committed or drained, the process
-    group destroyed). Teardown of native threads left by torch's collectives has
-    aborted a rank here after a clean run ("terminate called without an active
-    exception", 2 in ~20 runs), which turned a finished job into a failed one.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _exit_now(main())
+    exit_now(main())

@@ -1,4 +1,4 @@
-"""RunRecorder: what each rank writes into the run directory."""
+"""elastic.RunRecorder: what each rank writes into the run directory."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from trainer.metrics import (
+from elastic.events import (
     EVENTS_FILE,
     METRICS_FILE,
     RANK_EVENTS_FILE,
@@ -69,24 +69,16 @@ def test_other_rank_writes_only_every_rank_events_to_its_own_file(tmp_path):
     assert len(read_lines(os.path.join(run_dir, "events.rank1.jsonl"))) == 3
 
 
-def test_old_enabled_keyword_still_works(tmp_path):
-    on_dir, off_dir = str(tmp_path / "on"), str(tmp_path / "off")
-    on = RunRecorder(on_dir, enabled=True)
-    assert on.rank == 0 and on.is_main
-    on.metrics({"step": 1})
-    on.event("start", 0)
-    on.close()
-    assert sorted(os.listdir(on_dir)) == [EVENTS_FILE, METRICS_FILE]
-    off = RunRecorder(off_dir, enabled=False)
-    assert off.rank == -1 and not off.enabled
+def test_a_negative_rank_writes_nothing_and_rank_must_be_an_int(tmp_path):
+    off_dir = str(tmp_path / "off")
+    off = RunRecorder(off_dir, rank=-1)
+    assert not off.enabled
     off.metrics({"step": 1})
     off.event("fault", 1, every_rank=True)
     off.close()
     assert not os.path.exists(off_dir)
     with pytest.raises(TypeError):
-        RunRecorder(on_dir)
-    with pytest.raises(TypeError):
-        RunRecorder(on_dir, rank=0, enabled=True)
+        RunRecorder(off_dir, rank=True)  # type: ignore[arg-type]
 
 
 def test_empty_run_dir_writes_nothing():

@@ -1,0 +1,247 @@
+"""Bring your own model: a plain FSDP2 script made fault-tolerant with `ckpt` and `elastic`.
+
+A small MLP classifier on a synthetic dataset; nothing here comes from the trainer. The
+fault-tolerance part is marked ``[ft]`` in ``train()`` (ten lines):
+a ``ckpt.CheckpointManager`` for the state, an ``elastic.ElasticSampler`` for the data
+position, an ``elastic.RunGuard`` around the loop. What that buys:
+
+- a crash (a killed rank, a lost node) restarted by torchrun resumes from the newest
+  committed checkpoint; at the same world size the run continues bitwise identically;
+- a resume on another world size continues with the same samples, in the same order
+  (the gradient of a step does not depend on the world size, see ``train_step``);
+- SIGTERM (preemption) stops at a step boundary, commits an emergency checkpoint when it
+  fits the grace period and exits 143.
+
+Run it on 2 CPU ranks, kill rank 1 at step 9, and let torchrun restart the group::
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 \\
+        --max_restarts=1 examples/bring_your_own_model.py \\
+        --ckpt-dir runs/byom/ckpt --run-dir runs/byom/run --fault kill:step=9:rank=1
+
+or as one plain process (a 1-rank gloo group): ``python examples/bring_your_own_model.py
+--ckpt-dir ... --run-dir ...``. ``python -m trainer report runs/byom/run`` summarizes a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.utils.data import Dataset
+
+import ckpt
+import elastic
+
+logger = logging.getLogger("byom")
+
+
+# -- the user's own model and data -------------------------------------------------------------
+
+
+class SyntheticClassification(Dataset):
+    """``n`` samples of ``features`` floats; sample ``i`` comes from a generator seeded with ``i``.
+
+    The label is the argmax of a fixed random projection of the input, so it can be learned.
+    """
+
+    def __init__(self, n: int = 2048, features: int = 16, classes: int = 8) -> None:
+        self.n, self.features = n, features
+        self.projection = torch.randn(
+            features, classes, generator=torch.Generator().manual_seed(1234)
+        )
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(self.features, generator=torch.Generator().manual_seed(int(i)))
+        return x, (x @ self.projection).argmax()
+
+
+class MLP(nn.Module):
+    """Three linear layers with GELU; no dropout, so another world size resumes within tolerance."""
+
+    def __init__(self, features: int = 16, hidden: int = 64, classes: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            [
+                nn.Sequential(nn.Linear(features, hidden), nn.GELU()),
+                nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()),
+            ]
+        )
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_model(seed: int, device: torch.device) -> nn.Module:
+    """The same initial weights on every rank and world size, then sharded with FSDP2."""
+    torch.manual_seed(seed)
+    model = MLP().to(device)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # The loss is already divided by the global batch: reduce gradients by SUM, so the
+            # update is the same at every world size (forced, since gloo has no PREMUL_SUM).
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+# -- setup ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train a small MLP with FSDP2, fault-tolerant through the public ckpt and "
+        "elastic API. Launch with torchrun (any --nproc_per_node dividing --global-batch; set "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 when torchrun may restart the group) or as one "
+        "plain process. Run again with the same --ckpt-dir to resume, on any world size; keep "
+        "--global-batch, --seed and the LR schedule flags the same across relaunches.",
+        epilog="Outputs: RUN_DIR/metrics.jsonl (one row per step), RUN_DIR/events*.jsonl. Exit "
+        "codes: 0 done; 143 stopped by SIGTERM (after an emergency checkpoint when it fits the "
+        "grace period); run again to resume.",
+    )
+    add = parser.add_argument
+    add("--ckpt-dir", required=True, help="checkpoint root: a local path or gs://bucket/prefix")
+    add("--run-dir", required=True, help="where metrics.jsonl and events*.jsonl are appended")
+    add("--max-steps", type=int, default=20, help="train up to this step (default 20)")
+    add("--ckpt-every", type=int, default=4, help="save every N steps, 0: at the end (default 4)")
+    add("--async-save", action="store_true", help="commit periodic saves in the background")
+    add("--fault", action="append", default=[], metavar="SPEC",
+        help="inject a fault (repeatable): KIND:step=S[:rank=R][:attempt=A], KIND one of kill, "
+        "exit, raise, hang, sigterm, ckpt-storage, e.g. kill:step=9:rank=1, sigterm:step=5, "
+        "ckpt-storage:step=4:rank=1; it fires in restart attempt A only (default 0)")  # fmt: skip
+    add("--global-batch", type=int, default=32, help="samples per step, all ranks (default 32)")
+    add("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    add("--warmup-steps", type=int, default=4, help="linear warmup steps (default 4)")
+    add("--decay-steps", type=int, default=100,
+        help="cosine decay steps after the warmup (default 100); not tied to --max-steps, so "
+        "a finished run can be extended by running it again with a larger --max-steps")  # fmt: skip
+    add("--seed", type=int, default=0, help="model init, data order and RNG seed (default 0)")
+    return parser.parse_args(argv)
+
+
+def init_distributed() -> torch.device:
+    """The process group from torchrun's environment, else a 1-rank group on a free port."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=120)  # a dead peer is an error, not a stall
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout
+        )
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def train_step(model, opt, sched, x, y, global_batch: int) -> float:
+    """One optimizer step; returns the global mean loss of the step (all ranks agree on it)."""
+    loss_sum = F.cross_entropy(model(x), y, reduction="sum")
+    (loss_sum / global_batch).backward()  # this rank's share of the global mean
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    total = loss_sum.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / global_batch
+
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dataset = SyntheticClassification()
+    model = build_model(args.seed, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=args.warmup_steps),
+            torch.optim.lr_scheduler.CosineAnnealingLR(
+                opt, T_max=args.decay_steps, eta_min=args.lr / 10
+            ),
+        ],
+        milestones=[args.warmup_steps],
+    )
+    log = elastic.RunRecorder(args.run_dir, rank)  # the trainer's run-dir layout
+
+    # [ft] Fault tolerance, part 1 of 2: the data position, the checkpoint manager, the guard.
+    sampler = elastic.ElasticSampler(len(dataset), args.global_batch, seed=args.seed)
+    state = {"model": model, "optim": opt, "sched": sched, "sampler": sampler}
+    manager = ckpt.CheckpointManager(args.ckpt_dir, state, every=args.ckpt_every, seed=args.seed,
+                                     async_save=args.async_save, on_event=log.event)  # fmt: skip
+    guard = elastic.RunGuard(saver=manager, faults=args.fault, on_event=log.event)
+    with log, manager, guard:
+        start = manager.resume() or 0  # newest committed checkpoint, resharded to this world
+        batches = iter(sampler.loader(dataset))  # from the restored data cursor
+        for step in guard.steps(start, args.max_steps):  # faults; SIGTERM: save, exit 143
+            # [ft] End of part 1. Part 2: the two lines marked [ft] below.
+            started = time.perf_counter()
+            x, y = (t.to(device) for t in next(batches))
+            loss = train_step(model, opt, sched, x, y, args.global_batch)
+            digest = elastic.samples_digest(sampler.global_batch_ids())
+            sampler.advance()  # [ft] one global batch consumed
+            log.metrics({
+                "step": step, "loss": loss, "world_size": world, "restart_count": guard.attempt,
+                "samples_digest": digest, "lr": sched.get_last_lr()[0],
+                "step_time_s": time.perf_counter() - started,
+            })  # fmt: skip
+            manager.maybe_save(step, final=step == args.max_steps)  # [ft]
+        log.event("finished", args.max_steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    problem = elastic.restart_setup_problem()  # restarts need a variable in torchrun's env
+    if problem is not None and rank == 0:
+        logger.warning("%s", problem)
+    if torch.cuda.is_available():  # cuBLAS needs this for deterministic matmuls
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    device = init_distributed()
+    try:
+        train(args, device)
+    except elastic.Preempted as exc:  # SIGTERM: a SystemExit with code 143, after the save
+        logger.warning("rank %d: %s", dist.get_rank(), exc)
+        raise
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        logger.info("done: %d steps", args.max_steps)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except SystemExit as exc:  # elastic.Preempted (143), argparse (0 for --help, 2)
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    # Everything durable is done (checkpoints committed, process group destroyed): leave
+    # without interpreter teardown, where torch's gloo threads occasionally abort a finished
+    # rank under torchrun ("terminate called without an active exception", SIGABRT).
+    elastic.exit_now(code)
