@@ -390,3 +390,15 @@ def test_ckpt_storage_fault_fails_one_save_cleanly_and_training_goes_on(tmp_path
 
     infos = {i.step: i.committed for i in ckpt.list_checkpoints(ckpt_dir)}
     assert infos.get(2) and infos.get(6) and not infos.get(4, False)
+    # The fault fired on rank 1 is recorded by rank 1 and counted by the report.
+    rank1 = read_jsonl(os.path.join(run_dir, "events.rank1.jsonl"))
+    assert [(e["event"], e["step"], e["rank"]) for e in rank1] == [("fault", 4, 1)]
+    from trainer.report import load_run_dir, summarize, timeline_marks
+
+    metrics, events = load_run_dir(run_dir)
+    summary = summarize(metrics, events)
+    assert summary.faults_injected == 1 and summary.fault_ranks == [1]
+    fault_marks = [
+        m for kind, ms in timeline_marks(events, 0.0).items() for m in ms if kind == "fault"
+    ]
+    assert [(step, rank) for _, step, rank in fault_marks] == [(4, 1)]
