@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--run-dir",
         metavar="DIR",
-        help="where rank 0 writes metrics.jsonl and events.jsonl (overrides run.run_dir)",
+        help="where rank 0 writes metrics.jsonl and events.jsonl, and other ranks the events they "
+        "record themselves (a fault fired there) to events.rank{R}.jsonl (overrides run.run_dir)",
     )
     parser.add_argument(
         "--fault",
@@ -54,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="inject a fault, repeatable: KIND:step=S[:rank=R][:attempt=A], KIND in kill, exit, raise, hang, "
         "sigterm, ckpt-storage; fires at the start of step S (steps 1..S-1 done) in the attempt whose "
-        "job-wide restart count is A (default 0). Also read from env TRAINER_FAULTS (';'-separated)",
+        "job-wide restart count is A (default 0). ckpt-storage also takes phase=P, error=E, times=N "
+        "(default: the next save's first shard write fails with a permanent error). Also read "
+        "from env TRAINER_FAULTS (';'-separated)",
     )
     parser.add_argument(
         "--set",
