@@ -16,7 +16,14 @@ from typing import Any
 
 from bench import metrics as m
 from bench.async_rounds import async_rounds
-from bench.elastic_runs import cold_init_s, elastic_run, goodput, restarts
+from bench.elastic_runs import (
+    cold_init_s,
+    elastic_run,
+    goodput,
+    restarts,
+    silent_loss,
+    silent_node_run,
+)
 from bench.fsdp_state import layer_width
 from bench.gcs import gcs_rounds
 from bench.report import markdown_table, write_json
@@ -48,7 +55,8 @@ class Mode:
     train_steps: int
     """Steps per trainer / plain-loop run (trainer_overhead); the first 5 are warm-up."""
     elastic_runs: int
-    """2-agent torchrun jobs with 3 kills each (restart_overhead, ettr); 0: not run."""
+    """2-agent torchrun jobs with 3 kills each (restart_overhead, ettr), and as many 3-agent
+    jobs with a frozen node (silent_node_loss); 0: not run."""
     spawn_rounds: int
     """Rounds of the measurements that spawn processes per sample (reshard loads,
     trainer vs plain-loop runs): each costs a process start per side."""
@@ -80,6 +88,10 @@ WARMUP_STEPS = 5
 KILL_STEPS = [20, 45, 70]
 ELASTIC_MAX_STEPS = 90
 ELASTIC_CKPT_EVERY = 10
+SILENT_MAX_STEPS = 40
+SILENT_FREEZE_AFTER = 12
+"""silent_node_loss: 3 agents, checkpoints every ELASTIC_CKPT_EVERY steps, the node of a
+non-zero rank frozen after this step; the job finishes at world size 2."""
 
 
 def parse_only(text: str) -> tuple[str, ...]:
@@ -103,8 +115,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help=f"64 MB state instead of 1 GB, {QUICK.rounds} rounds instead of {FULL.rounds} "
         f"({QUICK.spawn_rounds} instead of {FULL.spawn_rounds} for reshard_load and "
         "trainer_overhead, which start processes per sample), "
-        "smaller async/gcs states, shorter training runs; restart_overhead and ettr are "
-        "not measured (full mode only)",
+        "smaller async/gcs states, shorter training runs; restart_overhead, ettr and "
+        "silent_node_loss are not measured (full mode only)",
     )
     p.add_argument(
         "--only",
@@ -117,7 +129,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--json",
         metavar="OUT",
-        help="write {metric: {value, target, ok, detail}} for all 11 metrics",
+        help=f"write {{metric: {{value, target, ok, detail}}}} for all {len(m.TARGETS)} metrics",
     )
     p.add_argument(
         "--dir", default=None, help="parent of the fresh temp dir (default: the system temp dir)"
@@ -262,6 +274,7 @@ def _elastic(work: str, mode: Mode) -> list[m.Metric]:
         return [
             m.missing("restart_overhead", "full mode only (~1 min per torchrun job)"),
             m.missing("ettr", "full mode only"),
+            m.missing("silent_node_loss", "full mode only (~45 s per torchrun job)"),
         ]
     samples: list[dict[str, float]] = []
     cold: list[float] = []
@@ -282,9 +295,23 @@ def _elastic(work: str, mode: Mode) -> list[m.Metric]:
         "agents": 2,
     }
     mean_gap = [r["wall_time_s"] / (len(KILL_STEPS) + 1) for r in runs]
+    silent = []
+    for _ in range(mode.elastic_runs):
+        out = silent_node_run(
+            work, SILENT_MAX_STEPS, SILENT_FREEZE_AFTER, ELASTIC_CKPT_EVERY, mode.timeout_s
+        )
+        silent.append(silent_loss(out["metrics"], out["events"], out["logs"], out["frozen_at"]))
     return [
         m.restart_metric(samples, cold, **settings),
         m.ettr_metric(runs, mean_s_between_faults=[round(x, 1) for x in mean_gap], **settings),
+        m.silent_node_metric(
+            silent,
+            agents=3,
+            frozen="SIGSTOP of a non-zero rank's agent and worker",
+            freeze_after_step=SILENT_FREEZE_AFTER,
+            checkpoint_every_steps=ELASTIC_CKPT_EVERY,
+            settings="default trainer settings (run.peer_timeout_s=6, run.heartbeat_s=0.5)",
+        ),
     ]
 
 

@@ -1,4 +1,7 @@
-"""``restart_overhead`` and ``ettr``: real torchrun jobs (2 agents) with injected kills.
+"""``restart_overhead``, ``ettr`` and ``silent_node_loss``: real torchrun jobs.
+
+``silent_node_loss`` (3 agents, one frozen by SIGSTOP): see :func:`silent_node_run`
+and :func:`silent_loss`. The others: 2 agents with injected kills.
 
 Each job is :class:`testing.local_cluster.ElasticJob` (a standalone c10d store and
 two ``torchrun`` agents, one worker each) running the tiny GPT with async
@@ -194,3 +197,113 @@ def goodput(metrics: list[dict], events: list[dict]) -> dict[str, Any]:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+# -- silent_node_loss: a node frozen (SIGSTOP), not killed -----------------------------------
+
+SILENT_AGENTS = 3
+"""Agents of the silent-node job: one is frozen, the job goes on at world size 2."""
+
+_RDZV_DONE = "Rendezvous complete for workers"
+
+
+def silent_node_run(
+    work: str, max_steps: int, freeze_after_step: int, ckpt_every: int, timeout_s: float
+) -> dict[str, Any]:
+    """One 3-agent job (default trainer settings, the peer failure detector included) whose
+    non-rank-0 node is frozen (SIGSTOP of its agent and worker) after ``freeze_after_step``.
+
+    Returns rows, events of every rank, agent logs (torchrun at ``LOGLEVEL=INFO``, for the
+    rendezvous mark) and the freeze time (unix).
+    """
+    from testing.local_cluster import ElasticJob
+
+    args = [
+        "--config", CONFIG, "--max-steps", str(max_steps), "--ckpt-every", str(ckpt_every),
+        "--set", f"run.log_every={max_steps}",
+    ]  # fmt: skip
+    job = ElasticJob(
+        os.path.join(work, f"silent_{time.monotonic_ns()}"),
+        trainer_args=args,
+        env={"PYTHONPATH": REPO, "LOGLEVEL": "INFO"},
+    )
+    try:
+        agents = [job.add_agent() for _ in range(SILENT_AGENTS)]
+        job.wait_for(
+            lambda: (
+                job.last_step() >= freeze_after_step
+                and job.metrics()[-1]["world_size"] == SILENT_AGENTS
+            ),
+            timeout_s,
+            f"step {freeze_after_step} at world size {SILENT_AGENTS}",
+        )
+        rank0 = job.agent_of_rank0(SILENT_AGENTS)
+        victim = next(a for a in agents if a is not rank0)
+        frozen_at = time.time()
+        job.freeze_node(victim)
+        survivors = [a for a in agents if a is not victim]
+        codes = job.wait_agents(timeout_s, survivors)
+        if any(codes.values()):
+            raise RuntimeError(f"silent-node job failed: {codes}\n{job.logs_tail()}")
+        return {
+            "metrics": job.metrics(),
+            "events": job.all_events(),
+            "logs": [a.log() for a in survivors],
+            "frozen_at": frozen_at,
+        }
+    finally:
+        job.close()
+
+
+def _torch_marks(logs: list[str], year: int, needle: str) -> list[float]:
+    out = []
+    for text in logs:
+        for line in text.splitlines():
+            m = _TORCH_TS.match(line)
+            if m and needle in m.group(3):
+                stamp = f"{year}{m.group(1)} {m.group(2)}"
+                out.append(datetime.datetime.strptime(stamp, "%Y%m%d %H:%M:%S.%f").timestamp())
+    return sorted(out)
+
+
+def silent_loss(
+    metrics: list[dict], events: list[dict], logs: list[str], frozen_at: float
+) -> dict[str, float]:
+    """Freeze -> first step at the smaller world size, and where the time went (pure).
+
+    ``detect_s``: freeze -> the first ``peer_silent`` verdict; ``rendezvous_s``: -> a
+    survivor's agent completes the new rendezvous (worker exit noticed, the frozen node
+    left out); ``restart_s``: -> rank 0 of the new group has its process group and model
+    (spawn, import, ``init_process_group``, build); ``load_s``: the checkpoint load;
+    ``first_step_s``: the rest, up to the first metrics row (mostly the step itself).
+    """
+    shrunk = min(
+        (r for r in metrics if float(r["time"]) > frozen_at and r["world_size"] < SILENT_AGENTS),
+        key=lambda r: float(r["time"]),
+    )
+    total = float(shrunk["time"]) - frozen_at
+    verdicts = [float(e["time"]) for e in events if e["event"] == "peer_silent"]
+    detected = min(t for t in verdicts if t > frozen_at)
+    year = datetime.datetime.fromtimestamp(frozen_at).year
+    rdzv = next(t for t in _torch_marks(logs, year, _RDZV_DONE) if t > detected)
+    built = next(t for t, kind in log_marks(logs, year) if kind == "built" and t > rdzv)
+    load = next(
+        (
+            e
+            for e in events
+            if e["event"] == "checkpoint_loaded" and built <= float(e["time"]) <= shrunk["time"]
+        ),
+        None,
+    )
+    load_s = float(load["duration_s"]) if load else 0.0
+    return {
+        "silent_node_loss_s": total,
+        "detect_s": detected - frozen_at,
+        "rendezvous_s": rdzv - detected,
+        "restart_s": built - rdzv,
+        "load_s": load_s,
+        "first_step_s": float(shrunk["time"]) - built - load_s,
+        "first_step_time_s": float(shrunk["step_time_s"]),
+        "resumed_step": int(shrunk["step"]) - 1,
+        "world_size_after": int(shrunk["world_size"]),
+    }

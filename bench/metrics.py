@@ -23,6 +23,7 @@ TARGETS: dict[str, tuple[float, str]] = {
     "persist_interference": (1.10, "<="),
     "restart_overhead": (2.0, "<="),
     "ettr": (0.90, ">="),
+    "silent_node_loss": (15.0, "<="),
     "gcs_save_vs_pipe": (0.80, ">="),
 }
 """The one table of metrics: name -> (target, direction), in report order.
@@ -37,7 +38,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "async": ("async_stall", "persist_interference"),
     "overhead": ("trainer_overhead",),
     "gcs": ("gcs_save_vs_pipe",),
-    "elastic": ("restart_overhead", "ettr"),
+    "elastic": ("restart_overhead", "ettr", "silent_node_loss"),
 }
 """Measurement groups (``python -m bench --only``), in run order, and the metrics each yields."""
 
@@ -353,6 +354,23 @@ def restart_metric(samples: list[dict[str, float]], cold_s: list[float], **extra
             "cold_init_samples_s": [_r(x) for x in cold_s],
             **breakdown,
             "restarts": [
+                {k: _r(v) if isinstance(v, float) else v for k, v in s.items()} for s in samples
+            ],
+            **extra,
+        },
+    )
+
+
+def silent_node_metric(samples: list[dict[str, float]], **extra: Any) -> Metric:
+    """Seconds from a node freeze to the first step at the smaller world size (median)."""
+    keys = ("detect_s", "rendezvous_s", "restart_s", "load_s", "first_step_s")
+    breakdown = {f"median_{k}": _r(_median([s[k] for s in samples])) for k in keys}
+    return Metric(
+        name="silent_node_loss",
+        value=_median([s["silent_node_loss_s"] for s in samples]),
+        detail={
+            **breakdown,
+            "samples": [
                 {k: _r(v) if isinstance(v, float) else v for k, v in s.items()} for s in samples
             ],
             **extra,

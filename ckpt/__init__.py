@@ -11,6 +11,10 @@ resume on any world size)::
     manager.maybe_save(step, final=step == max_steps)
     manager.close()
 
+With ``memory_every=K`` the manager also keeps a snapshot every K steps in node memory
+(tmpfs, replicated to another node) that ``resume()`` prefers when it is newer than the
+newest durable checkpoint (docs/design.md, "Memory tier").
+
 One-off saves and loads use the thin functions, collective over the default process
 group when one is initialized, plain single-process otherwise::
 

@@ -39,6 +39,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ckpt import async_save as _async
 from ckpt import dist as _dist
+from ckpt import memory_restore as _memory_restore
 from ckpt.app_state import AppState, shape_mismatch
 from ckpt.commit import save as _save
 from ckpt.discovery import find_latest_committed
@@ -46,11 +47,13 @@ from ckpt.errors import (
     CheckpointDirError,
     CheckpointError,
     CheckpointShapeError,
+    CorruptCheckpointError,
     SaveFailedError,
     StateMismatchError,
     StorageError,
 )
 from ckpt.faults import FaultRegistry, parse_storage_faults
+from ckpt.memory_tier import MemoryTier, SnapshotError
 from ckpt.restore import LoadResult
 from ckpt.restore import load as _load
 from ckpt.retention import RetentionPolicy
@@ -98,6 +101,8 @@ class ResumeInfo:
     duration_s: float
     metadata: dict[str, Any]
     """The user metadata saved with the checkpoint (``metadata=`` at save time)."""
+    tier: str = "durable"
+    """``"durable"`` (the root) or ``"memory"`` (a memory-tier snapshot, ``memory_every``)."""
 
 
 class CheckpointManager:
@@ -118,6 +123,22 @@ class CheckpointManager:
     ``checkpoint_saved``, ``checkpoint_loaded``, ``fallback``, ``checkpoint_failed`` and
     ``resume`` events (from the save thread too: it must be thread-safe).
 
+    Memory tier (opt-in): ``memory_every=K`` (0: off, the default) also snapshots the
+    state every K steps into node-local memory that outlives the process (files under
+    ``memory_dir``, else ``CKPT_MEMORY_DIR``, else ``/dev/shm/ckpt-memory``), and a
+    background thread copies each rank's shard to a rank on another node (hostname +
+    memory dir; none when every rank shares one node). The snapshot is committed when
+    :meth:`maybe_save` returns (the rank's shard written, one all_gather, a COMPLETE-like
+    commit record on every node), so a killed worker resumes from it.
+    :meth:`resume` takes the newest snapshot that is complete across the surviving
+    nodes, newer than the newest durable checkpoint and not from an attempt older than
+    it, verifies every copy's crc32c, ships missing shards from peers and loads it like a
+    durable checkpoint (resharding included); if it fails it falls back to the next
+    snapshot, then to the durable tier, and emits ``tier_choice`` (tier, step, why).
+    Snapshots are never a durable commit: :meth:`save`, ``final`` and emergency saves go
+    to ``root`` as before. Host memory per rank: two snapshots of its shard plus two of
+    the replica it holds. A failed snapshot emits ``memory_snapshot_failed``.
+
     Construct it on every rank at the same point: with a process group it creates the
     checkpoint gloo group, which is a collective.
     """
@@ -136,11 +157,17 @@ class CheckpointManager:
         on_event: EventCallback | None = None,
         storage_options: StorageOptions | None = None,
         process_group: Any = None,
+        memory_every: int = 0,
+        memory_dir: str | None = None,
     ) -> None:
         if not isinstance(root, str) or not root:
             raise ValueError(f"root must be a non-empty str URL or path, got {root!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"every must be an int >= 0 (0: save only at the end), got {every!r}")
+        if isinstance(memory_every, bool) or not isinstance(memory_every, int) or memory_every < 0:
+            raise ValueError(
+                f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}"
+            )
         self.root = root
         self.app = AppState.classify(state)
         self.every = every
@@ -161,12 +188,24 @@ class CheckpointManager:
         self._group = process_group
         coll = _dist.Collective(process_group)
         self.rank, self.world_size = coll.rank, coll.world_size
+        self.memory_every = memory_every
+        self._memory = (
+            MemoryTier(
+                root,
+                memory_every,
+                memory_dir=memory_dir,
+                distributed=dist.is_available() and dist.is_initialized(),
+            )
+            if memory_every
+            else None
+        )
         self.last_save_s: float | None = None
         """Wall seconds of the last save that finished, sync or async (staging + persist)."""
         self.last_committed_step: int | None = None
         """Step of the newest checkpoint this manager committed or resumed from."""
         self.last_resume: ResumeInfo | None = None
         self._saves_in_flight: dict[int, dict[str, Any]] = {}
+        self._shapes: dict[str, dict[str, list[int]]] | None = None
         self._closed = False
 
     # -- events --------------------------------------------------------------------------
@@ -225,17 +264,30 @@ class CheckpointManager:
         coll = _dist.Collective(self._group)
         storage = Storage(self.root, self.storage_options)
 
-        def newest() -> tuple[int, int, dict[str, Any]] | None:
+        def newest() -> tuple[int, int, dict[str, Any], str, int] | None:
             info = find_latest_committed(storage)
             if info is None or info.manifest is None:
                 return None
             record = info.manifest.metadata.get(MANAGER_META_KEY, {})
-            return info.step, info.manifest.world_size, record if isinstance(record, dict) else {}
+            attempt = info.manifest.attempt
+            return (
+                info.step,
+                info.manifest.world_size,
+                record if isinstance(record, dict) else {},
+                attempt.run_id,
+                attempt.restart_count,
+            )
 
         latest = coll.on_coordinator(f"finding the newest checkpoint under {self.root}", newest)
+        notes: list[str] = []
+        if self._memory is not None:
+            resumed = self._resume_from_memory(latest, notes)
+            if resumed is not None:
+                return resumed
         if latest is None:
+            self._tier_choice("none", 0, latest, notes)
             return None
-        step, saved_world, record = latest
+        step, saved_world, record, _, _ = latest
         problem = shape_mismatch(self.app.tensor_shapes(), record.get("shapes", {}))
         if problem is not None:
             raise CheckpointShapeError(
@@ -248,6 +300,142 @@ class CheckpointManager:
         result, template, rng_loaded = self._load(fresh, want_rng)
         if result is None:  # every committed checkpoint vanished between listing and loading
             return None
+        loaded_step = self._finish_resume(result, template, rng_loaded, fresh, started, "durable")
+        self.last_committed_step = loaded_step
+        self._tier_choice("durable", loaded_step, latest, notes)
+        return loaded_step
+
+    def _resume_from_memory(self, latest: tuple[Any, ...] | None, notes: list[str]) -> int | None:
+        """Resume from the newest usable memory snapshot (collective); None: use the durable tier."""
+        tier = self._memory
+        assert tier is not None
+        durable = None if latest is None else (int(latest[0]), str(latest[3]), int(latest[4]))
+        surveyed = time.monotonic()
+        found = _memory_restore.survey(tier, durable)
+        timings = {"survey_s": time.monotonic() - surveyed}
+        notes.extend(found.notes)
+        shapes = self.app.tensor_shapes()
+        for cand in found.candidates:
+            record = cand.manifest.metadata.get(MANAGER_META_KEY, {})
+            record = record if isinstance(record, dict) else {}
+            problem = shape_mismatch(shapes, record.get("shapes", {}))
+            if problem is not None:
+                notes.append(
+                    f"memory step {cand.step} was written for a different model: {problem}"
+                )
+                continue
+            started = time.monotonic()
+            fresh = [k for k in record.get("fresh_optimizers", []) if k in self.app.optimizers]
+            want_rng = (
+                self.rng
+                and bool(record.get("rng", True))
+                and cand.manifest.world_size == self.world_size
+            )
+            try:
+                result, template = self._load_memory(cand, fresh, want_rng, timings, notes)
+            except CheckpointError as exc:
+                notes.append(f"memory step {cand.step} rejected: {exc}")
+                if self.rank == 0:
+                    logger.error(
+                        "memory snapshot of step %d rejected, trying the next tier: %s",
+                        cand.step,
+                        exc,
+                    )
+                self._emit(
+                    "fallback",
+                    cand.step,
+                    tier="memory",
+                    url=tier.url(cand.step),
+                    path=getattr(exc, "path", ""),
+                    reason=str(exc),
+                )
+                continue
+            loaded = self._finish_resume(result, template, want_rng, fresh, started, "memory")
+            _memory_restore.prune(tier, cand)
+            self.last_committed_step = durable[0] if durable is not None else None
+            self._tier_choice("memory", loaded, latest, notes, timings)
+            return loaded
+        _memory_restore.prune(tier, None)
+        return None
+
+    def _load_memory(
+        self,
+        cand: Any,
+        fresh: list[str],
+        want_rng: bool,
+        timings: dict[str, float],
+        notes: list[str],
+    ) -> tuple[LoadResult, dict[str, Any]]:
+        """Assemble and load one memory snapshot (collective); a first failure is retried
+        once with every copy's crc32c checked first (a corrupt copy, a good replica)."""
+        tier = self._memory
+        assert tier is not None
+        template = self.app.state_dict(skip_optimizers=fresh)
+        if want_rng:
+            template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
+        for verify in (False, True):
+            started = time.monotonic()
+            restore = _memory_restore.materialize(tier, cand, template, verify=verify)
+            timings["assemble_s"] = time.monotonic() - started
+            try:
+                result = self._load_into(template, restore.url, cand.step, "memory")
+            except CorruptCheckpointError as exc:
+                if verify:
+                    raise
+                notes.append(
+                    f"memory step {cand.step}: a copy failed its check ({exc}); assembled "
+                    "again from copies whose crc32c matches the manifest"
+                )
+                if self.rank == 0:
+                    logger.warning(
+                        "memory snapshot of step %d failed to load (%s); checking every copy",
+                        cand.step,
+                        exc,
+                    )
+                continue
+            finally:
+                restore.release()
+            timings["load_s"] = time.monotonic() - started - timings["assemble_s"]
+            assert result is not None
+            return result, template
+        raise AssertionError("unreachable")
+
+    def _tier_choice(
+        self,
+        tier: str,
+        step: int,
+        latest: tuple[Any, ...] | None,
+        notes: list[str],
+        timings: dict[str, float] | None = None,
+    ) -> None:
+        """The ``tier_choice`` event of a resume with the memory tier on: which tier and why."""
+        if self._memory is None:
+            return
+        durable = None if latest is None else int(latest[0])
+        against = f"durable {durable}" if durable is not None else "no durable checkpoint"
+        if tier == "memory":
+            why = f"memory step {step} newer than {against}"
+        elif tier == "durable":
+            why = f"durable step {step}: no usable memory snapshot newer than it"
+        else:
+            why = "nothing to resume from: no usable memory snapshot, no durable checkpoint"
+        if notes:
+            why += " (" + "; ".join(notes) + ")"
+        if self.rank == 0:
+            logger.info("rank 0: resume tier: %s", why)
+        extra = {"timings": {k: round(v, 4) for k, v in timings.items()}} if timings else {}
+        self._emit("tier_choice", step, tier=tier, reason=why, durable_step=durable, **extra)
+
+    def _finish_resume(
+        self,
+        result: LoadResult,
+        template: dict[str, Any],
+        rng_loaded: bool,
+        fresh: list[str],
+        started: float,
+        tier: str,
+    ) -> int:
+        """Push a loaded checkpoint into the objects, set RNG, record and report the resume."""
         self.app.load(template, skip_optimizers=fresh)
         old_world = int(result.manifest.world_size)
         loaded_step = int(result.step)
@@ -257,53 +445,84 @@ class CheckpointManager:
         elif self.rng:
             reseed_process(self.seed, loaded_step, self.rank)
         user_meta = {k: v for k, v in result.metadata.items() if k != MANAGER_META_KEY}
+        url = (
+            result.url
+            if tier == "durable" or self._memory is None
+            else self._memory.url(loaded_step)
+        )
         self.last_resume = ResumeInfo(
             step=loaded_step,
-            url=result.url,
+            url=url,
             old_world_size=old_world,
             new_world_size=self.world_size,
             rng_restored=rng_restored,
             bytes_read=int(result.bytes_read),
             duration_s=time.monotonic() - started,
             metadata=user_meta,
+            tier=tier,
         )
-        self.last_committed_step = loaded_step
+        extra = {"tier": tier} if self._memory is not None else {}
         self._emit(
             "resume",
             loaded_step,
-            url=result.url,
+            url=url,
             old_world_size=old_world,
             new_world_size=self.world_size,
             rng_restored=rng_restored,
             bytes=int(result.bytes_read),
             duration_s=round(self.last_resume.duration_s, 4),
+            **extra,
         )
         return loaded_step
 
     def _load(
-        self, fresh: list[str], want_rng: bool
+        self,
+        fresh: list[str],
+        want_rng: bool,
+        *,
+        root: str | None = None,
+        step: int | None = None,
+        tier: str = "durable",
     ) -> tuple[LoadResult | None, dict[str, Any], bool]:
         template = self.app.state_dict(skip_optimizers=fresh)
         if want_rng:
             template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
         try:
-            return self._load_into(template), template, want_rng
+            return self._load_into(template, root, step, tier), template, want_rng
         except StateMismatchError as exc:
             if not want_rng:
                 raise
             # A fallback landed on a checkpoint of another world size (no RNG key for us).
             logger.warning("rank %d: retrying the load without RNG state: %s", self.rank, exc)
             template.pop(RNG_STATE_KEY)
-            return self._load_into(template), template, False
+            return self._load_into(template, root, step, tier), template, False
 
-    def _load_into(self, template: dict[str, Any]) -> LoadResult | None:
+    def _load_into(
+        self,
+        template: dict[str, Any],
+        root: str | None = None,
+        step: int | None = None,
+        tier: str = "durable",
+    ) -> LoadResult | None:
+        if root is None:
+            return _load(
+                template,
+                self.root,
+                missing_ok=True,
+                process_group=self._group,
+                on_event=self._sink(),
+                storage_options=self.storage_options,
+                _saver=self._async,
+            )
+        # A memory snapshot assembled for this rank under a ckptmem:// root (node-local
+        # maps and shipped ranges; no storage faults): the same verified load, one step.
         return _load(
             template,
-            self.root,
-            missing_ok=True,
+            root,
+            step=step,
             process_group=self._group,
-            on_event=self._sink(),
-            storage_options=self.storage_options,
+            on_event=self._sink(tier=tier),
+            storage_options=StorageOptions(fsync=False, faults=FaultRegistry(read_env=False)),
             _saver=self._async,
         )
 
@@ -320,22 +539,49 @@ class CheckpointManager:
         synchronous, so the run ends on a commit. Returns the checkpoint URL (for an
         async save: where it will be committed), or None when nothing was saved or the
         save failed (logged, ``checkpoint_failed`` event; training goes on).
+
+        With ``memory_every``, every K-th step (not ``final``) first takes a memory-tier
+        snapshot, committed on every rank's node when this returns (a failure is logged
+        and reported as ``memory_snapshot_failed``; training goes on).
         """
+        captured = None
+        if self._memory is not None and not final and self._memory.due(step):
+            captured = self._capture(step, reuse_shapes=True)
+            self._snapshot(step, captured)
         if not (final or self.due(step)):
             return None
-        return self.save(step, blocking=final or not self.async_save)
+        return self._save(step, blocking=final or not self.async_save, captured=captured)
 
-    def save(self, step: int, *, blocking: bool = True, emergency: bool = False) -> str | None:
-        """Save ``step`` now (collective); returns the URL, or None when the save failed.
+    def _snapshot(
+        self, step: int, captured: tuple[dict[str, Any], dict[str, Any], list[str]]
+    ) -> None:
+        """Memory-tier snapshot of ``step`` (collective); a failure is reported, never raised."""
+        tier = self._memory
+        assert tier is not None
+        for error in tier.replication_errors():
+            self._emit(
+                "memory_snapshot_failed", step, phase="replicate", error=error, rank=self.rank
+            )
+        state, meta, _ = captured
+        try:
+            tier.snapshot(step, state, meta)
+        except SnapshotError as exc:
+            logger.error("rank %d step %d: %s; training continues", self.rank, step, exc)
+            self._emit(
+                "memory_snapshot_failed", step, phase="write", error=str(exc), rank=self.rank
+            )
 
-        ``blocking=False`` returns once the state is staged (async). A step already
-        committed by this manager is not saved again. A background save that failed is
-        reported (event) before this one starts.
+    def _capture(
+        self, step: int, *, reuse_shapes: bool = False
+    ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+        """The state dict (RNG included) and manifest metadata of ``step``; the fresh optimizers.
+
+        ``reuse_shapes`` (memory snapshots, every few steps): the models' tensor shapes
+        recorded for the shape check are those computed the first time (a module's
+        parameters keep their shapes; ``module.state_dict()`` costs ~1 ms per call).
         """
-        self._collect_previous()
-        if self.last_committed_step == step:
-            return self._url(step)
-        started = time.monotonic()
+        if not reuse_shapes or self._shapes is None:
+            self._shapes = self.app.tensor_shapes()
         fresh = self.app.fresh_optimizers()
         state = self.app.state_dict(skip_optimizers=fresh)
         if self.rng:
@@ -347,9 +593,33 @@ class CheckpointManager:
                 "keys": sorted(self.app.objects),
                 "fresh_optimizers": fresh,
                 "rng": self.rng,
-                "shapes": self.app.tensor_shapes(),
+                "shapes": self._shapes,
             },
         }
+        return state, meta, fresh
+
+    def save(self, step: int, *, blocking: bool = True, emergency: bool = False) -> str | None:
+        """Save ``step`` now (collective); returns the URL, or None when the save failed.
+
+        ``blocking=False`` returns once the state is staged (async). A step already
+        committed by this manager is not saved again. A background save that failed is
+        reported (event) before this one starts.
+        """
+        return self._save(step, blocking=blocking, emergency=emergency)
+
+    def _save(
+        self,
+        step: int,
+        *,
+        blocking: bool,
+        emergency: bool = False,
+        captured: tuple[dict[str, Any], dict[str, Any], list[str]] | None = None,
+    ) -> str | None:
+        self._collect_previous()
+        if self.last_committed_step == step:
+            return self._url(step)
+        started = time.monotonic()
+        state, meta, fresh = captured if captured is not None else self._capture(step)
         extra = {"emergency": True} if emergency else {}
         background = not blocking
         try:
@@ -469,6 +739,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._group = None
+            if self._memory is not None:
+                self._memory.close(self.last_committed_step)
 
     def __enter__(self) -> CheckpointManager:
         return self

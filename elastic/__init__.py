@@ -1,7 +1,8 @@
 """torchrun / torch.distributed.elastic integration for the trainer.
 
 Run identity from the environment, job-wide restart count, fault injection,
-SIGTERM (preemption) handling, hang watchdog and straggler detection, all behind one
+SIGTERM (preemption) handling, hang watchdog, peer failure detection (heartbeats) and
+straggler detection, all behind one
 ``with RunGuard(...)``; and ``ElasticSampler``, a data position that resumes on any
 world size. Depends only on
 the standard library and torch; never imports `trainer` or `ckpt`.
@@ -27,6 +28,12 @@ if TYPE_CHECKING:
         parse_fault_spec,
     )
     from elastic.guard import EmergencySaver, Preempted, RunGuard
+    from elastic.heartbeat import (
+        PEER_SILENT_EXIT_CODE,
+        PeerHeartbeat,
+        SilentVerdict,
+        silent_peers,
+    )
     from elastic.identity import RunIdentity, job_restart_count, restart_setup_problem
     from elastic.preemption import (
         PreemptionDecision,
@@ -51,6 +58,10 @@ _EXPORTS: dict[str, str] = {
     "EmergencySaver": "elastic.guard",
     "Preempted": "elastic.guard",
     "RunGuard": "elastic.guard",
+    "PEER_SILENT_EXIT_CODE": "elastic.heartbeat",
+    "PeerHeartbeat": "elastic.heartbeat",
+    "SilentVerdict": "elastic.heartbeat",
+    "silent_peers": "elastic.heartbeat",
     "ElasticSampler": "elastic.sampler",
     "GlobalOrder": "elastic.sampler",
     "samples_digest": "elastic.sampler",
@@ -74,6 +85,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "ENV_FAULTS",
+    "PEER_SILENT_EXIT_CODE",
     "ElasticSampler",
     "EmergencySaver",
     "FaultKind",
@@ -81,6 +93,7 @@ __all__ = [
     "FaultSpec",
     "GlobalOrder",
     "InjectedFault",
+    "PeerHeartbeat",
     "Preempted",
     "PreemptionDecision",
     "PreemptionHandler",
@@ -88,6 +101,7 @@ __all__ = [
     "RunGuard",
     "RunIdentity",
     "RunRecorder",
+    "SilentVerdict",
     "StallInfo",
     "StragglerMonitor",
     "Watchdog",
@@ -101,6 +115,7 @@ __all__ = [
     "process_group_timeout",
     "restart_setup_problem",
     "samples_digest",
+    "silent_peers",
 ]
 
 

@@ -11,7 +11,11 @@ termination signal: all ranks agree (one small all_reduce), an emergency checkpo
 of the last finished step is committed if it fits the grace period (the saver's
 expected save time, async saves included), then :class:`Preempted` is raised, a
 ``SystemExit`` with code 128+signal (143 for SIGTERM). After each step it feeds the
-watchdog and the straggler monitor. Events (``fault``, ``preempted``, ``stragglers``)
+watchdog and the straggler monitor. While the block runs, a peer failure detector
+(:mod:`elastic.heartbeat`) heartbeats through the process group's TCP store and ends
+this rank (exit 125) when a peer or the store goes silent for ``peer_timeout_s``. The
+watchdog is on by default ("auto"): a 600 s bound until five steps are timed, then
+10 x their median within [60 s, 600 s]. Events (``fault``, ``preempted``, ``stragglers``)
 go to ``on_event(name, step, every_rank=..., **fields)`` on every rank; a run recorder
 writes ``every_rank`` events (a fault fired on this rank) on every rank, so a fault on
 rank 1 is recorded by rank 1, and the others (agreed by all ranks) on rank 0 only.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import signal
 import tempfile
 import time
@@ -32,6 +37,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from elastic.faults import FaultPlan, FaultSpec
+from elastic.heartbeat import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_PEER_TIMEOUT_S,
+    PeerHeartbeat,
+    SilentVerdict,
+    namespace,
+    store_address,
+)
 from elastic.identity import RunIdentity, job_restart_count
 from elastic.preemption import PreemptionHandler, agree_on_preemption
 from elastic.straggler import StragglerMonitor
@@ -41,6 +54,39 @@ logger = logging.getLogger(__name__)
 
 SLOW_PHASE_ALLOWANCE_S = 900.0
 """Watchdog allowance around checkpoint loads and saves and the first step of an attempt."""
+AUTO = "auto"
+"""``watchdog_s`` value that derives the bound from measured step times."""
+AUTO_WATCHDOG_MIN_S = 60.0
+AUTO_WATCHDOG_MAX_S = 600.0
+"""Bounds of the derived watchdog timeout; the upper one also applies until it is derived."""
+AUTO_WATCHDOG_FACTOR = 10.0
+AUTO_WATCHDOG_STEPS = 5
+"""Step times (wall time between two finished steps, from the second step of the attempt
+on) whose median sets the derived bound."""
+
+
+def auto_watchdog_s(step_times: Sequence[float]) -> float:
+    """``AUTO_WATCHDOG_FACTOR`` x the median step time, within [60 s, 600 s]. Pure."""
+    if not step_times:
+        return AUTO_WATCHDOG_MAX_S
+    ordered = sorted(step_times)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return min(AUTO_WATCHDOG_MAX_S, max(AUTO_WATCHDOG_MIN_S, AUTO_WATCHDOG_FACTOR * median))
+
+
+def parse_watchdog_s(value: float | str) -> float | None:
+    """``"auto"`` -> None (derive from step times); a number >= 0 -> itself (0: off)."""
+    if isinstance(value, str):
+        if value.strip().lower() == AUTO:
+            return None
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"watchdog_s must be 'auto' or seconds >= 0, got {value!r}") from None
+    if isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"watchdog_s must be 'auto' or seconds >= 0, got {value!r}")
+    return float(value)
 
 
 class EmergencySaver(Protocol):
@@ -85,7 +131,12 @@ class RunGuard:
 
     ``faults``: ``--fault`` specs (the ``TRAINER_FAULTS`` environment variable is added).
     ``watchdog_s``: dump every thread's stack and exit when no step finishes for that
-    long (0: off); loads, saves and the first step get ``slow_phase_s`` more.
+    long (0: off; ``"auto"``, the default: 10 x the median of the first timed steps,
+    within [60 s, 600 s], 600 s until then); loads, saves and the first step get
+    ``slow_phase_s`` more.
+    ``peer_timeout_s``: leave (exit 125) when a peer's heartbeat or the store has been
+    silent this long (0: off); ``heartbeat_s``: seconds between heartbeats. On when the
+    default process group has more than one rank and a TCP store (torchrun's).
     ``straggler_every``: compare step times across ranks every N steps (0: off).
     ``grace_s``: seconds between the signal and SIGKILL (default: from the environment,
     see :func:`elastic.preemption.grace_from_env`).
@@ -97,7 +148,7 @@ class RunGuard:
         saver: EmergencySaver | None = None,
         faults: Sequence[str] = (),
         on_event: Callable[..., None] | None = None,
-        watchdog_s: float = 0.0,
+        watchdog_s: float | str = AUTO,
         dump_dir: str | None = None,
         straggler_every: int = 0,
         slow_phase_s: float = SLOW_PHASE_ALLOWANCE_S,
@@ -106,6 +157,8 @@ class RunGuard:
         attempt: int | None = None,
         process_group: Any = None,
         env: Mapping[str, str] | None = None,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
     ) -> None:
         identity = RunIdentity.from_env(env)
         self.plan = FaultPlan.from_args_and_env(faults, env)
@@ -116,7 +169,14 @@ class RunGuard:
             rank = _dist_rank(identity.rank)
         self.rank = rank
         self.attempt = job_restart_count(identity, process_group) if attempt is None else attempt
-        self.watchdog_s = watchdog_s
+        fixed = parse_watchdog_s(watchdog_s)
+        self.watchdog_auto = fixed is None
+        self.watchdog_s: float = AUTO_WATCHDOG_MAX_S if fixed is None else fixed
+        if peer_timeout_s < 0 or not math.isfinite(peer_timeout_s):
+            raise ValueError(f"peer_timeout_s must be seconds >= 0, got {peer_timeout_s!r}")
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s
+        self.run_id = identity.run_id
         self.dump_dir = dump_dir or tempfile.gettempdir()
         self.slow_phase_s = slow_phase_s
         self.stragglers = StragglerMonitor(straggler_every) if straggler_every else None
@@ -124,8 +184,12 @@ class RunGuard:
         self._env = env
         self.preemption: PreemptionHandler | None = None
         self.watchdog: Watchdog | None = None
+        self.heartbeat: PeerHeartbeat | None = None
         self._stack = contextlib.ExitStack()
         self._step_time_s: float | None = None
+        self._step = 0
+        self._last_finished: float | None = None
+        self._step_gaps: list[float] = []
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -135,11 +199,46 @@ class RunGuard:
             self.watchdog = self._stack.enter_context(
                 Watchdog(self.watchdog_s, self.dump_dir, on_stall=self._on_stall, rank=self.rank)
             )
+        self.heartbeat = self._start_heartbeat()
+        if self.heartbeat is not None:
+            self._stack.callback(self.heartbeat.stop)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._stack.close()
-        self.preemption = self.watchdog = None
+        self.preemption = self.watchdog = self.heartbeat = None
+
+    def _start_heartbeat(self) -> PeerHeartbeat | None:
+        """The peer failure detector, when a process group of 2+ ranks with a TCP store exists."""
+        if self.peer_timeout_s <= 0:
+            return None
+        try:
+            import torch.distributed as dist
+        except ImportError:  # pragma: no cover - torch is a dependency
+            return None
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        address = store_address(self._env)
+        if address is None:
+            logger.info(
+                "rank %d: peer heartbeat off: the process group's store is not a TCP store",
+                self.rank,
+            )
+            return None
+        world = dist.get_world_size()
+        heartbeat = PeerHeartbeat(
+            rank=dist.get_rank(),
+            world_size=world,
+            address=address,
+            key_prefix=namespace(self.run_id, self.attempt, world),
+            interval_s=self.heartbeat_s,
+            timeout_s=self.peer_timeout_s,
+            on_silent=self._on_peer_silent,
+        )
+        return heartbeat.start()
+
+    def _on_peer_silent(self, verdict: SilentVerdict) -> None:
+        self.event("peer_silent", self._step, every_rank=True, rank=self.rank, **verdict.fields())
 
     def event(self, name: str, step: int, *, every_rank: bool = False, **fields: Any) -> None:
         """Record an event: a fact of this rank alone (``every_rank``: a fault fired here) is
@@ -188,6 +287,7 @@ class RunGuard:
         Collective (the preemption agreement): every rank calls it at every step.
         Raises :class:`Preempted` after any emergency save of step ``step - 1``.
         """
+        self._step = step
         for spec in self.plan.storage_faults_due(step, self.rank, self.attempt):
             self.event("fault", step, every_rank=True, spec=str(spec), rank=self.rank)
             if self.saver is None:
@@ -222,10 +322,34 @@ class RunGuard:
         """Feed the watchdog; every ``straggler_every`` steps compare step times (collective)."""
         if self.watchdog is not None:
             self.watchdog.beat(step)
+            if self.watchdog_auto:
+                self._derive_watchdog_bound()
         if self.stragglers is not None:
             report = self.stragglers.record(step_time_s)
             if report and report["stragglers"]:
                 self.event("stragglers", step, **report)
+
+    def _derive_watchdog_bound(self) -> None:
+        """With ``watchdog_s="auto"``: time the steps after the first of the attempt, then
+        set the bound once."""
+        if len(self._step_gaps) >= AUTO_WATCHDOG_STEPS or self.watchdog is None:
+            return  # derived already
+        now = time.monotonic()
+        if self._last_finished is not None:
+            self._step_gaps.append(now - self._last_finished)
+        self._last_finished = now
+        if len(self._step_gaps) < AUTO_WATCHDOG_STEPS:
+            return
+        bound = auto_watchdog_s(self._step_gaps)
+        self.watchdog.set_timeout(bound)
+        self.watchdog_s = bound
+        if self.rank == 0:
+            logger.info(
+                "rank 0: watchdog bound %.0fs (10 x the median of %d step times, %.2fs; "
+                "within [%.0f, %.0f]s)",
+                bound, len(self._step_gaps), sorted(self._step_gaps)[len(self._step_gaps) // 2],
+                AUTO_WATCHDOG_MIN_S, AUTO_WATCHDOG_MAX_S,
+            )  # fmt: skip
 
 
 def _dist_rank(default: int) -> int:

@@ -109,6 +109,13 @@ class Watchdog:
         self._last_beat = time.monotonic()
         self._step = step
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Change the bound (e.g. once step times are known); counts from the last beat."""
+        if not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise ValueError(f"watchdog timeout_s must be a finite number > 0, got {timeout_s}")
+        with self._lock:
+            self.timeout_s = float(timeout_s)
+
     def pause(self) -> None:
         """Stop stall detection until `resume` (for phases with no bound, e.g. user input)."""
         with self._lock:

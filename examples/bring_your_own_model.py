@@ -122,6 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-steps", type=int, default=20, help="train up to this step (default 20)")
     add("--ckpt-every", type=int, default=4, help="save every N steps, 0: at the end (default 4)")
     add("--async-save", action="store_true", help="commit periodic saves in the background")
+    add("--memory-every", type=int, default=0, metavar="K",
+        help="also snapshot the state every K steps into node memory (the checkpoint manager's "
+        "memory tier, under CKPT_MEMORY_DIR or /dev/shm), so a restart resumes from a step "
+        "newer than the last --ckpt-every checkpoint; 0: off (default)")  # fmt: skip
     add("--fault", action="append", default=[], metavar="SPEC",
         help="inject a fault (repeatable): KIND:step=S[:rank=R][:attempt=A], KIND one of kill, "
         "exit, raise, hang, sigterm, ckpt-storage, e.g. kill:step=9:rank=1, sigterm:step=5, "
@@ -189,7 +193,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     sampler = elastic.ElasticSampler(len(dataset), args.global_batch, seed=args.seed)
     state = {"model": model, "optim": opt, "sched": sched, "sampler": sampler}
     manager = ckpt.CheckpointManager(args.ckpt_dir, state, every=args.ckpt_every, seed=args.seed,
-                                     async_save=args.async_save, on_event=log.event)  # fmt: skip
+                                     async_save=args.async_save, on_event=log.event,
+                                     memory_every=args.memory_every)  # fmt: skip
     guard = elastic.RunGuard(saver=manager, faults=args.fault, on_event=log.event)
     with log, manager, guard:
         start = manager.resume() or 0  # newest committed checkpoint, resharded to this world

@@ -2,8 +2,10 @@
 
 Used by the end-to-end tests and the local demo (``examples/elastic_demo.py``) to
 run a job the way a multi-node cluster does, with agents that can be killed,
-SIGTERMed or added while it runs. Every agent is a ``torchrun`` process joining
-one c10d rendezvous on 127.0.0.1.
+frozen (SIGSTOP), SIGTERMed or added while it runs. Every agent is a ``torchrun``
+process joining one c10d rendezvous, on 127.0.0.1 by default; with ``wrap`` and
+``local_addr`` (``testing/netns.py``) each agent runs in a network namespace of its
+own, on its own address.
 The rendezvous store runs in a process of its own (``is_host=0`` on every agent),
 so losing any agent, the first one included, does not end the job. Agents get the
 settings the README recommends: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and short
@@ -27,6 +29,9 @@ from dataclasses import dataclass, field
 
 from testing.ports import free_port
 
+Wrap = Callable[[list[str]], list[str]]
+"""Turns a command into one that runs elsewhere (``Host.wrap``: inside a namespace)."""
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RDZV_CONF = (
@@ -35,17 +40,19 @@ RDZV_CONF = (
 
 
 def descendants(pid: int) -> list[int]:
-    """Pids of every live descendant of ``pid`` (children first)."""
+    """Pids of every live descendant of ``pid`` (children first; zombies left out)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                state, ppid_text = f.read().rsplit(")", 1)[1].split()[:2]
         except (OSError, IndexError, ValueError):
             continue
-        children.setdefault(ppid, []).append(int(entry))
+        if state == "Z":
+            continue  # exited, not yet reaped by its parent (e.g. an agent blocked in a store call)
+        children.setdefault(int(ppid_text), []).append(int(entry))
     out: list[int] = []
     frontier = [pid]
     while frontier:
@@ -98,23 +105,31 @@ class ElasticJob:
     env: dict[str, str] = field(default_factory=dict)
     data_dir: str = ""
     """Where ``run/`` and ``ckpt/`` live (default: workdir); a relaunch passes the old job's."""
+    store_host: str = "127.0.0.1"
+    """Address of the rendezvous store, as agents reach it."""
+    store_wrap: Wrap | None = None
+    """Where the store runs (default: here): e.g. ``Host.wrap`` of a namespace of its own."""
     agents: list[Agent] = field(default_factory=list)
+    frozen: dict[str, list[int]] = field(default_factory=dict)
+    """Pids SIGSTOPped by :meth:`freeze_node`, by agent name (killed, then continued, at close)."""
 
     def __post_init__(self) -> None:
         os.makedirs(self.workdir, exist_ok=True)
-        self.port = free_port()
+        # In a namespace of its own the store's port is free by construction.
+        self.port = free_port() if self.store_wrap is None else 29400
         self.store_log = os.path.join(self.workdir, "store.log")
         code = (
             "import sys, time\n"
             "from torch.distributed import TCPStore\n"
-            "s = TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False)\n"
+            "s = TCPStore(sys.argv[2], int(sys.argv[1]), is_master=True, wait_for_workers=False)\n"
             "print('ready', flush=True)\n"
             "time.sleep(3600)\n"
         )
+        cmd = [sys.executable, "-c", code, str(self.port), self.store_host]
+        if self.store_wrap is not None:
+            cmd = self.store_wrap(cmd)
         with open(self.store_log, "w") as log:
-            self.store = subprocess.Popen(
-                [sys.executable, "-c", code, str(self.port)], stdout=log, stderr=subprocess.STDOUT
-            )
+            self.store = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.wait_for(lambda: "ready" in _read_text(self.store_log), 60, "rendezvous store start")
 
     @property
@@ -125,17 +140,32 @@ class ElasticJob:
     def ckpt_dir(self) -> str:
         return os.path.join(self.data_dir or self.workdir, "ckpt")
 
-    def add_agent(self, name: str | None = None, extra_args: list[str] | None = None) -> Agent:
+    def add_agent(
+        self,
+        name: str | None = None,
+        extra_args: list[str] | None = None,
+        *,
+        local_addr: str = "127.0.0.1",
+        wrap: Wrap | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Agent:
+        """Start one torchrun agent (one worker). ``local_addr``: the address it advertises
+        (``--local_addr``); ``wrap``: where it runs (e.g. a namespace); ``env``: extra
+        variables for this agent only (e.g. ``GLOO_SOCKET_IFNAME``)."""
         name = name or f"agent{len(self.agents)}"
         log_path = os.path.join(self.workdir, f"{name}.log")
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nnodes}", "--nproc_per_node=1", f"--max_restarts={self.max_restarts}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{self.port}", f"--rdzv_id={self.rdzv_id}",
-            f"--rdzv_conf={RDZV_CONF}", "--monitor_interval=0.1", "--local_addr=127.0.0.1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint={self.store_host}:{self.port}",
+            f"--rdzv_id={self.rdzv_id}", f"--rdzv_conf={RDZV_CONF}", "--monitor_interval=0.1",
+            f"--local_addr={local_addr}",
             "-m", self.module, *self.trainer_args, *(extra_args or []),
             "--ckpt-dir", self.ckpt_dir, "--run-dir", self.run_dir,
         ]  # fmt: skip
+        if wrap is not None:
+            cmd = wrap(cmd)
+        agent_env = env
         env = dict(os.environ)
         env.update(
             {
@@ -146,6 +176,7 @@ class ElasticJob:
             }
         )
         env.update(self.env)
+        env.update(agent_env or {})
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         agent = Agent(name, proc, log_path)
@@ -159,6 +190,30 @@ class ElasticJob:
 
     def events(self) -> list[dict]:
         return _read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
+
+    def all_events(self) -> list[dict]:
+        """Events of every rank (``events.jsonl`` and ``events.rank*.jsonl``), by time."""
+        rows: list[dict] = []
+        if os.path.isdir(self.run_dir):
+            for name in sorted(os.listdir(self.run_dir)):
+                if name.startswith("events") and name.endswith(".jsonl"):
+                    rows += _read_jsonl(os.path.join(self.run_dir, name))
+        return sorted(rows, key=lambda e: float(e.get("time", 0.0)))
+
+    def agent_of_rank0(self, world_size: int) -> Agent | None:
+        """The agent whose worker was global rank 0 in the latest group of ``world_size``
+        (rank 0 logs ``rank 0: world_size=W`` at start, with a timestamp; workers log into
+        their agent's log)."""
+        marker = f"rank 0: world_size={world_size} "
+        best: tuple[str, Agent] | None = None
+        for agent in self.agents:
+            try:
+                lines = [line for line in agent.log().splitlines() if marker in line]
+            except OSError:
+                continue
+            if lines and (best is None or lines[-1][:23] > best[0]):
+                best = (lines[-1][:23], agent)
+        return best[1] if best else None
 
     def last_step(self) -> int:
         rows = self.metrics()
@@ -213,6 +268,21 @@ class ElasticJob:
     def sigterm_agent(self, agent: Agent) -> None:
         _signal(agent.pid, signal.SIGTERM)
 
+    def freeze_node(self, agent: Agent) -> list[int]:
+        """A frozen machine (hypervisor pause, a stuck kernel): SIGSTOP the agent and each of
+        its workers (torchrun starts them in sessions of their own, so one process-group
+        signal would not reach them). Returns the stopped pids; :meth:`close` kills them."""
+        pids = [agent.pid, *self.worker_pids(agent)]
+        self.frozen[agent.name] = pids
+        for pid in pids:
+            _signal(pid, signal.SIGSTOP)
+        return pids
+
+    def thaw_node(self, agent: Agent) -> None:
+        """SIGCONT what :meth:`freeze_node` stopped."""
+        for pid in self.frozen.pop(agent.name, []):
+            _signal(pid, signal.SIGCONT)
+
     def __enter__(self) -> ElasticJob:
         return self
 
@@ -220,6 +290,13 @@ class ElasticJob:
         self.close()
 
     def close(self) -> None:
+        # Frozen processes first: SIGKILL ends a stopped process without letting it run
+        # again (a continued stale rank could still write), then SIGCONT for good measure.
+        for pids in self.frozen.values():
+            for pid in pids:
+                _signal(pid, signal.SIGKILL)
+                _signal(pid, signal.SIGCONT)
+        self.frozen.clear()
         for agent in self.agents:
             if agent.proc.poll() is None:
                 for pid in [agent.pid, *self.worker_pids(agent)]:

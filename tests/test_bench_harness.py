@@ -32,6 +32,7 @@ SPEC = [
     ("persist_interference", 1.10, "<="),
     ("restart_overhead", 2.0, "<="),
     ("ettr", 0.90, ">="),
+    ("silent_node_loss", 15.0, "<="),
     ("gcs_save_vs_pipe", 0.80, ">="),
 ]
 
@@ -60,7 +61,7 @@ def test_groups_split_the_table_exactly_once():
     grouped = [name for names in m.GROUPS.values() for name in names]
     assert sorted(grouped) == sorted(m.TARGETS)
     assert m.GROUPS["load"] == ("load_vs_disk", "reshard_load")
-    assert m.GROUPS["elastic"] == ("restart_overhead", "ettr")
+    assert m.GROUPS["elastic"] == ("restart_overhead", "ettr", "silent_node_loss")
 
 
 @pytest.mark.parametrize(("name", "target", "direction"), SPEC)

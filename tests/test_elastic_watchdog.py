@@ -167,3 +167,102 @@ def test_process_group_timeout() -> None:
     assert process_group_timeout(30) == datetime.timedelta(seconds=30)
     with pytest.raises(ValueError, match="collective timeout"):
         process_group_timeout(0)
+
+
+# -- the "auto" bound: derived from measured step times (elastic/guard.py) -------------------
+
+
+@pytest.mark.parametrize(
+    ("step_times", "expected"),
+    [
+        ([], 600.0),  # nothing measured yet: the cap
+        ([0.1, 0.1, 0.1, 0.1, 0.1], 60.0),  # fast steps: the floor
+        ([8.0, 9.0, 10.0, 11.0, 100.0], 100.0),  # 10 x the median; one slow step (a save) ignored
+        ([30.0, 31.0, 29.0], 300.0),
+        ([90.0, 90.0, 90.0], 600.0),  # capped
+        ([5.0, 7.0], 60.0),  # even count: mean of the middle two (6 s -> 60 s)
+        ([7.0, 9.0], 80.0),
+    ],
+)
+def test_auto_watchdog_bound_table(step_times: list[float], expected: float) -> None:
+    from elastic.guard import auto_watchdog_s
+
+    assert auto_watchdog_s(step_times) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("auto", None), ("AUTO", None), (0, 0.0), (0.0, 0.0), (15, 15.0), ("300", 300.0)],
+)
+def test_parse_watchdog_s(value: float | str, expected: float | None) -> None:
+    from elastic.guard import parse_watchdog_s
+
+    assert parse_watchdog_s(value) == expected
+
+
+@pytest.mark.parametrize("value", ["soon", -1.0, float("nan"), True])
+def test_parse_watchdog_s_rejects(value: float | str) -> None:
+    from elastic.guard import parse_watchdog_s
+
+    with pytest.raises(ValueError, match="watchdog_s"):
+        parse_watchdog_s(value)
+
+
+@pytest.mark.timeout(30)
+def test_set_timeout_changes_the_bound(tmp_path: Path) -> None:
+    watchdog = Watchdog(600.0, str(tmp_path), rank=0)
+    try:
+        watchdog.set_timeout(60.0)
+        assert watchdog.timeout_s == 60.0
+        with pytest.raises(ValueError, match="timeout_s"):
+            watchdog.set_timeout(0)
+    finally:
+        watchdog.close()
+
+
+@pytest.mark.timeout(30)
+def test_run_guard_watchdog_is_on_by_default_and_derives_its_bound(tmp_path: Path) -> None:
+    from elastic.guard import AUTO_WATCHDOG_MAX_S, AUTO_WATCHDOG_MIN_S, RunGuard
+
+    with RunGuard(dump_dir=str(tmp_path), env={}) as guard:
+        assert guard.watchdog is not None and guard.watchdog_auto
+        assert guard.watchdog.timeout_s == AUTO_WATCHDOG_MAX_S  # until steps are timed
+        assert guard.heartbeat is None  # no process group: nothing to watch
+        for step in guard.steps(0, 6):
+            time.sleep(0.01)
+            # The first step and the next four are timed: the bound is set at step 6.
+            expected = AUTO_WATCHDOG_MAX_S if step < 6 else None
+            if expected is not None:
+                assert guard.watchdog.timeout_s == expected
+        assert guard.watchdog.timeout_s == AUTO_WATCHDOG_MIN_S  # 10 x 0.01 s, floored
+    with RunGuard(dump_dir=str(tmp_path), env={}, watchdog_s=0) as guard:
+        assert guard.watchdog is None
+    with RunGuard(dump_dir=str(tmp_path), env={}, watchdog_s=15) as guard:
+        assert guard.watchdog is not None and guard.watchdog.timeout_s == 15.0
+        for _ in guard.steps(0, 7):
+            pass
+        assert guard.watchdog.timeout_s == 15.0  # an explicit bound is kept
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (None, "auto"),
+        ("run.watchdog_s=auto", "auto"),
+        ("run.watchdog_s=15", 15.0),
+        ("run.watchdog_s=0", 0.0),
+    ],
+)
+def test_trainer_config_watchdog_defaults_to_auto(override: str | None, expected) -> None:
+    from trainer.config import load_config
+
+    cfg = load_config(None, [override] if override else [])
+    assert cfg.run.watchdog_s == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "soon"])
+def test_trainer_config_rejects_a_bad_watchdog(value: str) -> None:
+    from trainer.config import load_config
+
+    with pytest.raises(ValueError, match=r"run\.watchdog_s"):
+        load_config(None, [f"run.watchdog_s={value}"])

@@ -170,8 +170,16 @@ class RunConfig:
     """``none`` or ``bf16`` (bf16 params/compute, fp32 reduction); bf16 applies on CUDA only."""
     save_final: bool = False
     """Write the full final parameters to ``run_dir/final_params.pt`` (rank 0)."""
-    watchdog_s: float = 0.0
-    """Abort when no step finishes for this many seconds (0 disables; needs ``elastic``)."""
+    watchdog_s: float | str = "auto"
+    """Dump every stack and exit (code 124) when no step finishes for this many seconds;
+    0 disables; ``"auto"`` (default): 10 x the median of the first timed steps, within
+    [60, 600] s (600 s until then). Loads, saves and the first step get 900 s more."""
+    peer_timeout_s: float = 6.0
+    """Peer failure detector: leave (exit code 125) when a peer's heartbeat, or the TCP
+    store that carries them, has been silent this long (a frozen node, a cut link), so
+    torchrun restarts the group without it; 0 disables."""
+    heartbeat_s: float = 0.5
+    """Seconds between two heartbeats of the peer failure detector."""
     straggler_every: int = 0
     """Compare step times across ranks every N steps and record stragglers (0 disables)."""
     collective_timeout_s: float = 120.0
@@ -193,7 +201,25 @@ class RunConfig:
         _require(
             self.straggler_every >= 0, "run.straggler_every", self.straggler_every, "must be >= 0"
         )
-        _require(self.watchdog_s >= 0, "run.watchdog_s", self.watchdog_s, "must be >= 0")
+        if isinstance(self.watchdog_s, str):
+            _require(
+                self.watchdog_s == "auto",
+                "run.watchdog_s",
+                self.watchdog_s,
+                "must be 'auto' or >= 0",
+            )
+        else:
+            _require(self.watchdog_s >= 0, "run.watchdog_s", self.watchdog_s, "must be >= 0")
+        _require(
+            self.peer_timeout_s >= 0, "run.peer_timeout_s", self.peer_timeout_s, "must be >= 0"
+        )
+        _require(self.heartbeat_s > 0, "run.heartbeat_s", self.heartbeat_s, "must be > 0")
+        _require(
+            self.peer_timeout_s == 0 or self.peer_timeout_s >= 2 * self.heartbeat_s,
+            "run.peer_timeout_s",
+            self.peer_timeout_s,
+            f"must be 0 (off) or at least 2 x run.heartbeat_s={self.heartbeat_s}",
+        )
         _require(
             self.collective_timeout_s > 0,
             "run.collective_timeout_s",
@@ -256,6 +282,15 @@ def _coerce(key: str, raw: object, annotation: str) -> object:
             return float(raw)
         except ValueError:
             raise ValueError(f"config {key}={raw!r}: must be a number") from None
+    if annotation == "float | str":  # a number of seconds or the word "auto"
+        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+            raise ValueError(f"config {key}={raw!r}: must be a number or 'auto'")
+        if isinstance(raw, str) and raw.strip().lower() == "auto":
+            return "auto"
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"config {key}={raw!r}: must be a number or 'auto'") from None
     if annotation == "str":
         if not isinstance(raw, str):
             raise ValueError(f"config {key}={raw!r}: must be a string")

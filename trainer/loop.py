@@ -211,6 +211,8 @@ def build_checkpoints(
         seed=cfg.run.seed,
         metadata=metadata,
         on_event=on_event,
+        # Memory tier (0: off): snapshots in node memory every N steps, newer than `every`.
+        memory_every=getattr(cfg.checkpoint, "memory_every", 0),
     )
     return manager
 
@@ -258,6 +260,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
         watchdog_s=cfg.run.watchdog_s,
         dump_dir=cfg.run.run_dir or None,
         straggler_every=cfg.run.straggler_every,
+        heartbeat_s=cfg.run.heartbeat_s,
+        peer_timeout_s=cfg.run.peer_timeout_s,
     )
     attempt = guard.attempt
     if ctx.is_main:

@@ -37,7 +37,7 @@ _RANK_EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
 
 FAULT_EVENTS = frozenset({"fault"})
 """A fault injected on purpose (``--inject``), on whichever rank recorded it."""
-FAILURE_EVENTS = frozenset({"failure", "rank_failure", "error"})
+FAILURE_EVENTS = frozenset({"failure", "rank_failure", "error", "peer_silent"})
 """A rank reporting its own failure (an exception that ends its attempt)."""
 WATCHDOG_EVENTS = frozenset({"watchdog", "watchdog_stall", "stall"})
 """The hang watchdog giving up on a rank."""

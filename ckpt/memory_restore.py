@@ -1,0 +1,388 @@
+"""Resume from the memory tier: which snapshot, verified copies, shipped to every rank.
+
+Collective over the tier's gloo groups, in three calls the manager makes in order:
+
+1. :func:`survey`: the first rank of each node lists what the node holds (every slot of
+   every holder directory: its COMMIT record, manifest and files); every rank gets the
+   same list and computes the same candidates: snapshots with a valid commit record,
+   newer than the newest durable checkpoint and not fenced by it, with every file the
+   manifest lists present (right size) on some surviving node; newest first.
+2. :func:`materialize`: every rank gets a ``ckptmem://`` root (:mod:`ckpt.memory_fs`)
+   holding the candidate: the files its node has, mapped read-only; from a node that has
+   the others, only the byte ranges its own load plan reads, shipped over gloo; plus
+   manifest.json, COMPLETE (the snapshot's commit record) and ``.metadata``. The manager
+   then runs the normal verified ``ckpt.load`` on it (every item's crc32c checked,
+   resharding to this world size). The first attempt trusts the copies it maps (the
+   item checksums decide); if the load fails, a second one first checks the crc32c of
+   every copy against the manifest on its node and uses only those that match, so a
+   corrupted copy falls back to a replica before the snapshot is given up.
+3. :func:`prune`: keep only the snapshot resumed from (none after a durable resume):
+   anything else here is older, or newer but unusable, a history this run did not take.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckpt import memory_fs
+from ckpt.checksum import crc32c_of
+from ckpt.dist import Collective
+from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.layout import COMPLETE_NAME, DCP_METADATA_NAME, MANIFEST_NAME, checkpoint_dirname
+from ckpt.manifest import Manifest
+from ckpt.memory_layout import COMMIT_NAME, SLOTS, read_commit, remove_slot
+from ckpt.memory_tier import MemoryTier
+from ckpt.reader import SafeLoadPlanner, load_metadata
+
+MAX_NOTES = 8
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A committed memory snapshot and where its files are."""
+
+    save_id: str
+    step: int
+    restart_count: int
+    manifest: Manifest
+    manifest_bytes: bytes
+    commit_bytes: bytes
+    copies: dict[str, list[tuple[int, str, int]]] = field(default_factory=dict)
+    """File name -> ``(node reader rank, path, size)`` of each copy in a committed slot."""
+
+
+@dataclass(slots=True)
+class Survey:
+    candidates: list[Candidate]
+    """Usable snapshots, newest first."""
+    notes: list[str]
+    """Why other snapshots were passed over (newest first, at most a few)."""
+    newest_step: int | None
+    """Newest committed memory step seen anywhere (usable or not)."""
+
+
+def survey(tier: MemoryTier, durable: tuple[int, str, int] | None) -> Survey:
+    """What the memory tier offers; ``durable`` is the newest durable commit's
+    ``(step, run_id, restart_count)``. Collective; the same result on every rank."""
+    coll = Collective(tier.group)
+    reports = coll.all_gather(_scan(tier.run_dir) if tier.is_node_reader else None)
+    found: dict[str, Candidate] = {}
+    partial: list[tuple[int, str]] = []
+    for reader, report in enumerate(reports):
+        for entry in report or []:
+            if "reason" in entry:
+                partial.append((-1, f"{entry['dir']}: {entry['reason']}"))
+                continue
+            cand = found.get(entry["save_id"])
+            if cand is None and entry.get("manifest") is not None:
+                cand = found[entry["save_id"]] = Candidate(
+                    save_id=entry["save_id"],
+                    step=entry["step"],
+                    restart_count=entry["restart_count"],
+                    manifest=Manifest.from_bytes(entry["manifest"], url=entry["dir"]),
+                    manifest_bytes=entry["manifest"],
+                    commit_bytes=entry["commit"],
+                )
+            if cand is None:
+                continue
+            for name, size in entry["files"].items():
+                cand.copies.setdefault(name, []).append(
+                    (reader, os.path.join(entry["dir"], name), size)
+                )
+    ranked = sorted(found.values(), key=lambda c: (c.step, c.restart_count), reverse=True)
+    notes: list[str] = []
+    usable: list[Candidate] = []
+    for cand in ranked:
+        why = _unusable(cand, durable)
+        if why is None:
+            usable.append(cand)
+        else:
+            notes.append(why)
+    notes.extend(reason for _, reason in partial)
+    return Survey(usable, notes[:MAX_NOTES], ranked[0].step if ranked else None)
+
+
+def _unusable(cand: Candidate, durable: tuple[int, str, int] | None) -> str | None:
+    if durable is not None:
+        d_step, d_run, d_count = durable
+        if cand.step <= d_step:
+            return f"memory step {cand.step} is not newer than durable step {d_step}"
+        if d_run == cand.manifest.attempt.run_id and d_count > cand.restart_count:
+            return (
+                f"memory step {cand.step} was written by attempt {cand.restart_count}, older than "
+                f"the attempt {d_count} that committed durable step {d_step} (fenced)"
+            )
+    for entry in cand.manifest.files:
+        sizes = [size for _, _, size in cand.copies.get(entry.path, [])]
+        if entry.size not in sizes:
+            where = "has the wrong size on every node" if sizes else "is on no surviving node"
+            return f"memory step {cand.step}: {entry.path} {where}"
+    return None
+
+
+def _scan(run_dir: str) -> list[dict[str, Any]]:
+    """Every slot of every holder directory on this node."""
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for holder in _listdir(run_dir):
+        if not (holder.startswith("h") and holder[1:].isdigit()):
+            continue
+        for i in range(SLOTS):
+            slot_dir = os.path.join(run_dir, holder, f"slot{i}")
+            if not os.path.isdir(slot_dir):
+                continue
+            files = {
+                name: os.path.getsize(os.path.join(slot_dir, name))
+                for name in _listdir(slot_dir)
+                if name.endswith(".distcp") or name == ".metadata"
+            }
+            loaded = read_commit(slot_dir)
+            if isinstance(loaded, str):
+                out.append({"dir": slot_dir, "reason": loaded})
+                continue
+            marker, _, raw = loaded
+            with open(os.path.join(slot_dir, COMMIT_NAME), "rb") as f:
+                commit = f.read()
+            save_id = marker.attempt.save_id
+            out.append({
+                "dir": slot_dir, "step": marker.step, "save_id": save_id,
+                "restart_count": marker.attempt.restart_count,
+                "manifest": None if save_id in seen else raw,
+                "commit": commit, "files": files,
+            })  # fmt: skip
+            seen.add(save_id)
+    return out
+
+
+class Restore:
+    """One assembled memory snapshot: the root to load from; :meth:`release` after the load."""
+
+    def __init__(self, key: str, url: str) -> None:
+        self.key, self.url = key, url
+
+    def release(self) -> None:
+        memory_fs.release(self.key)
+
+
+def materialize(
+    tier: MemoryTier, cand: Candidate, template: dict[str, Any], *, verify: bool
+) -> Restore:
+    """Make ``cand`` readable by this rank under a ``ckptmem://`` root (collective).
+
+    The first rank of each node offers the copies its node holds (with ``verify``, only
+    copies whose crc32c matches the manifest; without, the loader's item checksums are
+    the check, and the caller retries with ``verify`` when they fail). Every rank then
+    maps the files its node has and receives, from a node that has them, only the byte
+    ranges of the other files that its own load plan (``template`` against the
+    snapshot's ``.metadata``) reads. Raises :class:`~ckpt.errors.CorruptCheckpointError`
+    (or ``StateMismatchError`` when the state does not fit) on every rank alike.
+    """
+    coll = Collective(tier.group)
+    entries = {e.path: e for e in cand.manifest.files}
+    offered = coll.all_gather(
+        _offer(tier.rank, cand, entries, verify) if tier.is_node_reader else None
+    )
+    holders: dict[str, list[int]] = {}
+    for name in sorted(entries):
+        holders[name] = [r for r, offer in enumerate(offered) if offer and name in offer["good"]]
+        if not holders[name]:
+            bad = [why for offer in offered if offer for n, why in offer["bad"] if n == name]
+            raise CorruptCheckpointError(
+                f"memory snapshot of step {cand.step}: no copy of {name} verifies "
+                f"({'; '.join(bad) or 'no copy'})",
+                url=tier.url(cand.step),
+                path=name,
+            )
+    reader = tier.ranks_on[tier.node_of[tier.rank]][0]
+    here = offered[reader]["good"] if offered[reader] else {}
+    # .metadata first (every rank plans its reads with it), from the first node with it.
+    src = holders[DCP_METADATA_NAME][0]
+    raw = coll.all_gather(
+        _read_whole(offered[src]["good"][DCP_METADATA_NAME]) if tier.rank == src else None
+    )[src]
+    if crc32c_of(raw) != entries[DCP_METADATA_NAME].crc32c:
+        raise CorruptCheckpointError(
+            f"memory snapshot of step {cand.step}: .metadata does not verify",
+            url=tier.url(cand.step),
+            path=DCP_METADATA_NAME,
+        )
+    mine: dict[str, list[tuple[int, int]]] = {}
+    error = None
+    try:
+        wanted = _ranges_read(template, load_metadata(raw, url=tier.url(cand.step)))
+        mine = {name: spans for name, spans in wanted.items() if name not in here}
+    except CheckpointError as exc:
+        error = exc
+    needs = coll.all_gather(None if error else mine)
+    if any(n is None for n in needs):
+        if error is not None:
+            raise error
+        raise CorruptCheckpointError(
+            f"memory snapshot of step {cand.step}: another rank cannot plan its load",
+            url=tier.url(cand.step),
+        )
+    transfers = [
+        (name, holders[name][dst % len(holders[name])], dst, spans)
+        for dst, need in enumerate(needs)
+        for name, spans in sorted(need.items())
+    ]
+    files: dict[str, memory_fs._File] = {}
+    error_text = None
+    try:
+        for name, path in here.items():
+            if name != DCP_METADATA_NAME:
+                files[name] = memory_fs.MappedFile(path, entries[name].size)
+        received = _ship(tier, transfers, offered)
+        for name, pieces in received.items():
+            files[name] = memory_fs.PiecesFile(entries[name].size, pieces)
+    except (OSError, CheckpointError, RuntimeError) as exc:
+        error_text = f"rank {tier.rank}: {type(exc).__name__}: {exc}"
+    errors = [e for e in coll.all_gather(error_text) if e]
+    if errors:
+        for f in files.values():
+            f.close()
+        raise CorruptCheckpointError(
+            f"memory snapshot of step {cand.step} could not be assembled: {'; '.join(errors)}",
+            url=tier.url(cand.step),
+        )
+    dirname = checkpoint_dirname(cand.step)
+    listed = {f"{dirname}/{name}": f for name, f in files.items()}
+    listed[f"{dirname}/{DCP_METADATA_NAME}"] = memory_fs.BytesFile(raw)
+    listed[f"{dirname}/{MANIFEST_NAME}"] = memory_fs.BytesFile(cand.manifest_bytes)
+    listed[f"{dirname}/{COMPLETE_NAME}"] = memory_fs.BytesFile(cand.commit_bytes)
+    for name, entry in entries.items():  # unread files: present, sized, never read
+        listed.setdefault(f"{dirname}/{name}", memory_fs.PiecesFile(entry.size, []))
+    key = f"r{tier.rank}-p{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return Restore(key, memory_fs.register(key, listed))
+
+
+def _offer(rank: int, cand: Candidate, entries: dict[str, Any], verify: bool) -> dict[str, Any]:
+    """This node's copy of each file (checked with ``verify``), and why others were refused."""
+    good: dict[str, str] = {}
+    bad: list[tuple[str, str]] = []
+    for name, entry in entries.items():
+        for reader, path, size in cand.copies.get(name, []):
+            if reader != rank or size != entry.size:
+                continue
+            if not verify:
+                good[name] = path
+                break
+            try:
+                actual = _file_crc32c(path)
+            except OSError as exc:
+                bad.append((name, f"{path}: {exc}"))
+                continue
+            if actual == entry.crc32c:
+                good[name] = path
+                break
+            bad.append((name, f"{path}: crc32c {actual}, manifest says {entry.crc32c}"))
+    return {"good": good, "bad": bad}
+
+
+def _ranges_read(template: dict[str, Any], metadata: Any) -> dict[str, list[tuple[int, int]]]:
+    """Byte ranges of each file that loading ``template`` reads (DCP's own local plan),
+    merged where they touch: the loader reads spans of adjacent items, which then lie
+    inside one range."""
+    planner = SafeLoadPlanner()
+    planner.set_up_planner(template, metadata, False)
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for item in planner.create_local_plan().items:
+        info = metadata.storage_data[item.storage_index]
+        spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+    merged: dict[str, list[tuple[int, int]]] = {}
+    for name, ranges in spans.items():
+        out: list[tuple[int, int]] = []
+        for start, end in sorted(ranges):
+            if out and start <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], end))
+            else:
+                out.append((start, end))
+        merged[name] = out
+    return merged
+
+
+def _ship(
+    tier: MemoryTier,
+    transfers: list[tuple[str, int, int, list[tuple[int, int]]]],
+    offered: list[Any],
+) -> dict[str, list[tuple[int, memoryview]]]:
+    """Point-to-point copies of byte ranges over the replication group, one message per
+    range, sent straight from the source's page cache (a read-only map of its copy);
+    returns the pieces this rank received."""
+    works = []
+    received: dict[str, list[tuple[int, memoryview]]] = {}
+    maps: dict[str, memory_fs.MappedFile] = {}
+    tag = 0
+    try:
+        for name, src, dst, spans in transfers:
+            for start, end in spans:
+                tag += 1
+                if dst == tier.rank:
+                    buf = torch.empty(end - start, dtype=torch.uint8)
+                    works.append(dist.irecv(buf, src=src, group=tier.repl_group, tag=tag))
+                    received.setdefault(name, []).append((start, memoryview(buf.numpy())))
+                elif src == tier.rank:
+                    path = offered[src]["good"][name]
+                    if path not in maps:
+                        maps[path] = memory_fs.MappedFile(path, os.path.getsize(path))
+                    data = maps[path].tensor(start, end)
+                    works.append(dist.isend(data, dst=dst, group=tier.repl_group, tag=tag))
+        for work in works:
+            work.wait()
+    finally:
+        works.clear()
+        for mapped in maps.values():
+            mapped.close()
+    return received
+
+
+def _read_whole(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _file_crc32c(path: str) -> str:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return crc32c_of(b"")
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as view:
+            return crc32c_of(view)
+
+
+def prune(tier: MemoryTier, keep: Candidate | None) -> None:
+    """Keep only snapshot ``keep`` on every node (collective: ends with a barrier)."""
+    kept = keep
+    coll = Collective(tier.group)
+    coll.all_gather(None)  # every rank is done reading before anything is removed
+    if tier.is_node_reader:
+        for holder in _listdir(tier.run_dir):
+            path = os.path.join(tier.run_dir, holder)
+            if not (holder.startswith("h") and holder[1:].isdigit()):
+                continue
+            for i in range(SLOTS):
+                slot_dir = os.path.join(path, f"slot{i}")
+                loaded = read_commit(slot_dir)
+                if (
+                    isinstance(loaded, str)
+                    or keep is None
+                    or loaded[0].attempt.save_id != keep.save_id
+                ):
+                    remove_slot(slot_dir)
+    coll.all_gather(None)
+    tier.resumed = True
+    tier._slots = None
+    tier.newest_step = None if kept is None else kept.step
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []

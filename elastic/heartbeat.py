@@ -1,0 +1,578 @@
+"""Peer failure detection: heartbeats through the process group's TCP store.
+
+A node that freezes (SIGSTOP, a hypervisor pause, a kernel stuck in I/O) or whose
+link is cut (packets dropped, no reset) leaves its peers blocked in a collective: no
+connection is reset, so gloo/NCCL wait for the collective timeout. Each rank runs a
+:class:`PeerHeartbeat`: it bumps a counter of its own in a TCP store every
+``interval_s`` and reads its peers' counters, from daemon threads independent of the
+training thread. A peer whose counter has not moved for ``timeout_s`` of this rank's
+observation makes this rank log an error naming the silent rank and its host, report
+a :class:`SilentVerdict` (``on_silent``) and leave with ``PEER_SILENT_EXIT_CODE``
+(``os._exit``), so torchrun's agent sees a failed worker and re-rendezvouses without
+the silent node.
+
+The channel is not the collectives it guards: a separate client connection (its own
+socket) to the store the default process group was built on (``MASTER_ADDR:MASTER_PORT``
+under torchrun). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` that store lives in the
+rank-0 worker (a C++ server thread that does not need the GIL); otherwise in the
+rank-0 agent or a standalone rendezvous store. A store call on a frozen server blocks
+without any timeout (measured with torch 2.13: the client's ``timeout`` bounds waits
+for keys, not a server that stopped answering), so calls are never bounded by their
+own timeout: one thread does the store round trips and may block, another judges from
+the time of the last completed round trip. A store that has not answered for
+``timeout_s`` counts as the rank hosting it (rank 0) being silent.
+
+Long legitimate phases (first step, checkpoint load and save, a slow step) do not
+look like silence, because the counter is bumped by a thread of its own: a busy
+training thread, blocked in a collective or in C++ code that releases the GIL (every
+torch op, socket and file I/O), does not stop it. A frozen process stops all of its
+threads. What also stops it: a call that holds the GIL for longer than the bound (a
+pure C loop such as ``sum(range(10**9))``); such a rank looks frozen and is removed.
+When this rank's own threads were not scheduled for a while (the monitor woke much
+later than asked), it judges nobody from that gap and starts observing afresh.
+
+Standard library only at import time (the store client imports torch lazily).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_S = 0.5
+"""Seconds between two heartbeats (and two reads of the peers' counters)."""
+DEFAULT_PEER_TIMEOUT_S = 6.0
+"""A peer whose counter did not move for this long is silent."""
+PEER_SILENT_EXIT_CODE = 125
+"""Exit code of a rank that left because a peer (or the store) went silent."""
+STARTUP_GRACE_S = 10.0
+"""Extra time a peer gets for its first heartbeat (ranks enter the guard at slightly
+different times)."""
+SELF_STALL_S = 2.0
+"""The monitor woke this much later than asked: this process was not running (GIL held
+by a C call, CPU starvation, SIGSTOP); the gap is not held against anyone."""
+ON_SILENT_LIMIT_S = 3.0
+"""The most the ``on_silent`` callback (an event write) may take before the exit."""
+LEFT = 1 << 40
+"""Added to a counter by a rank that stops cleanly: values >= LEFT mean "left"."""
+WATCH_ALL_UP_TO = 64
+"""Up to this world size every rank watches every peer; above it, ``NEIGHBOURS``."""
+NEIGHBOURS = 8
+"""Peers watched by each rank in larger worlds (the next ranks on a ring)."""
+KEY_PREFIX = "elastic_heartbeat"
+
+
+class StoreLike(Protocol):
+    """What the heartbeat needs of a ``torch.distributed.Store``."""
+
+    def add(self, key: str, value: int) -> int: ...
+
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def check(self, keys: list[str]) -> bool: ...
+
+
+# -- pure decisions ------------------------------------------------------------------------
+
+
+def silent_peers(last_seen: Mapping[int, float], now: float, bound: float) -> list[int]:
+    """Ranks whose last sign of life is more than ``bound`` seconds before ``now`` (sorted).
+
+    Pure. ``last_seen`` maps a rank to the (monotonic) time its heartbeat counter was
+    last seen moving; a time in the future (a startup grace) is never silent. Exactly
+    ``bound`` seconds is not yet silent.
+    """
+    if not math.isfinite(bound) or bound <= 0:
+        raise ValueError(f"bound must be a finite number > 0, got {bound}")
+    return sorted(rank for rank, seen in last_seen.items() if now - seen > bound)
+
+
+def watched_peers(
+    rank: int,
+    world_size: int,
+    *,
+    watch_all_up_to: int = WATCH_ALL_UP_TO,
+    neighbours: int = NEIGHBOURS,
+) -> list[int]:
+    """The peers ``rank`` watches: all of them in small worlds, else the next ``neighbours``
+    ranks on a ring (each rank is then watched by ``neighbours`` others). Pure."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size}")
+    if world_size <= watch_all_up_to:
+        return [r for r in range(world_size) if r != rank]
+    count = min(neighbours, world_size - 1)
+    return sorted((rank + k) % world_size for k in range(1, count + 1))
+
+
+def namespace(run_id: str, attempt: int, world_size: int) -> str:
+    """Key prefix of one process group's heartbeats: run id, job-wide restart count,
+    world size (a new group after a restart or a membership change gets new keys)."""
+    return f"{KEY_PREFIX}/{run_id}/{attempt}/{world_size}"
+
+
+# -- where the store is ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StoreAddress:
+    """The TCP store the heartbeats go through."""
+
+    host: str
+    port: int
+    host_rank: int | None
+    """Global rank whose process hosts the store (0: the default group's store created by
+    rank 0), None when an agent or a standalone process hosts it."""
+
+    def describe(self) -> str:
+        where = (
+            f"hosted by rank {self.host_rank}"
+            if self.host_rank is not None
+            else "hosted by a torchrun agent or a standalone store"
+        )
+        return f"the TCP store at {self.host}:{self.port} ({where})"
+
+
+def store_address(env: Mapping[str, str] | None = None) -> StoreAddress | None:
+    """The TCP store of the default process group, or None (no group, or not a TCP store).
+
+    Unwraps ``PrefixStore``s down to the ``TCPStore`` and takes its host and port; falls
+    back to ``MASTER_ADDR``/``MASTER_PORT`` only when the store cannot be inspected. Under torchrun with the agent's store shared
+    (``TORCHELASTIC_USE_AGENT_STORE=True``) an agent hosts it, else rank 0.
+    """
+    source = os.environ if env is None else env
+    host: str | None = None
+    port: int | None = None
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return None
+    try:
+        store: Any = dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        if not isinstance(store, dist.TCPStore):
+            return None  # a FileStore or HashStore: no server to heartbeat through
+        host, port = store.host, int(store.port)
+    except Exception as exc:  # a private API: fall back to the environment
+        logger.debug("heartbeat: could not inspect the default store: %s", exc)
+    if host is None:
+        host = source.get("MASTER_ADDR") or None
+        raw_port = source.get("MASTER_PORT", "")
+        port = int(raw_port) if raw_port.strip().isdigit() else None
+    if host is None or port is None:
+        return None
+    shared = source.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("true", "1")
+    return StoreAddress(host=host, port=port, host_rank=None if shared else 0)
+
+
+def local_address(toward: str, port: int) -> str | None:
+    """This machine's address on the route to ``toward`` (no packet is sent), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((toward, port))
+            return str(sock.getsockname()[0])
+    except OSError:
+        return None
+
+
+def tcp_store_client(address: StoreAddress, timeout_s: float) -> StoreLike:
+    """A new client connection to the store (its own socket, not the process group's)."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        address.host,
+        address.port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+# -- the verdict ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SilentVerdict:
+    """Why this rank is leaving: silent peers, or a store that stopped answering."""
+
+    rank: int
+    """The rank that judged."""
+    silent_ranks: list[int]
+    """The silent peers (the store host's rank when the store is silent and a rank hosts it)."""
+    hosts: dict[int, str]
+    """What each silent rank said about itself at start: host, address, pid."""
+    silent_s: float
+    """How long the (first) silent peer, or the store, has been silent."""
+    bound_s: float
+    store_silent: bool
+    """True when the store itself stopped answering."""
+    store: str
+    """Where the store is (:meth:`StoreAddress.describe`)."""
+
+    def message(self) -> str:
+        who = ", ".join(
+            f"rank {r} ({self.hosts.get(r, 'host unknown')})" for r in self.silent_ranks
+        )
+        if self.store_silent:
+            what = f"{self.store} has not answered for {self.silent_s:.1f}s"
+            if who:
+                what += f": {who} is silent (frozen, or its link is cut)"
+        else:
+            what = (
+                f"{who} sent no heartbeat for {self.silent_s:.1f}s through {self.store} "
+                "(frozen, or its link is cut)"
+            )
+        return (
+            f"rank {self.rank}: peer failure detected: {what}; bound {self.bound_s:.1f}s. "
+            f"Leaving with exit code {PEER_SILENT_EXIT_CODE} so torchrun re-rendezvouses "
+            "without the silent node"
+        )
+
+    def fields(self) -> dict[str, Any]:
+        """Event fields (``peer_silent``)."""
+        return {
+            "silent_ranks": list(self.silent_ranks),
+            "hosts": {str(r): h for r, h in self.hosts.items()},
+            "silent_s": round(self.silent_s, 3),
+            "bound_s": self.bound_s,
+            "store_silent": self.store_silent,
+            "store": self.store,
+        }
+
+
+# -- the detector ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Observed:
+    """What the round-trip thread learned; read by the monitor under the lock."""
+
+    last_ok: float
+    """Monotonic time of the last completed store round trip."""
+    last_seen: dict[int, float]
+    values: dict[int, int] = field(default_factory=dict)
+    left: set[int] = field(default_factory=set)
+    hosts: dict[int, str] = field(default_factory=dict)
+    beats: int = 0
+    errors: int = 0
+    max_round_trip_s: float = 0.0
+    max_beat_gap_s: float = 0.0
+
+
+class PeerHeartbeat:
+    """Heartbeat to and watch of the peers of one process group (see the module docs).
+
+    ``start()`` once the group exists (every rank), ``stop()`` when leaving cleanly
+    (marks this rank as left, so peers do not mistake the exit for silence). On a
+    verdict: log the error, ``on_silent(verdict)`` (bounded by ``ON_SILENT_LIMIT_S``),
+    flush, ``os._exit(exit_code)``; with ``exit_process=False`` (tests) only the callback
+    runs and the detector stops.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        address: StoreAddress,
+        key_prefix: str,
+        interval_s: float = DEFAULT_HEARTBEAT_S,
+        timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+        on_silent: Callable[[SilentVerdict], None] | None = None,
+        exit_code: int = PEER_SILENT_EXIT_CODE,
+        exit_process: bool = True,
+        peers: Sequence[int] | None = None,
+        connect: Callable[[], StoreLike] | None = None,
+        startup_grace_s: float = STARTUP_GRACE_S,
+        self_info: str | None = None,
+    ) -> None:
+        if not math.isfinite(interval_s) or interval_s <= 0:
+            raise ValueError(f"heartbeat interval must be a finite number > 0, got {interval_s}")
+        if not math.isfinite(timeout_s) or timeout_s < 2 * interval_s:
+            raise ValueError(
+                f"peer timeout must be at least twice the heartbeat interval ({interval_s}s), "
+                f"got {timeout_s}"
+            )
+        self.rank = rank
+        self.world_size = world_size
+        self.address = address
+        self.key_prefix = key_prefix
+        self.interval_s = float(interval_s)
+        self.timeout_s = float(timeout_s)
+        self.on_silent = on_silent
+        self.exit_code = exit_code
+        self.exit_process = exit_process
+        self.peers = list(watched_peers(rank, world_size) if peers is None else peers)
+        self._connect = connect or (lambda: tcp_store_client(address, min(2.0, self.timeout_s / 3)))
+        self.startup_grace_s = startup_grace_s
+        self.self_info = self_info or self._describe_self()
+        self.verdict: SilentVerdict | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._observed: _Observed | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- keys ---------------------------------------------------------------------------
+
+    def key(self, rank: int) -> str:
+        return f"{self.key_prefix}/beat/{rank}"
+
+    def host_key(self, rank: int) -> str:
+        return f"{self.key_prefix}/host/{rank}"
+
+    def _describe_self(self) -> str:
+        addr = local_address(self.address.host, self.address.port)
+        where = f", address {addr}" if addr else ""
+        return f"host {socket.gethostname()}{where}, pid {os.getpid()}"
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def start(self) -> PeerHeartbeat:
+        """Start the round-trip and monitor threads (no-op without peers)."""
+        if self._threads or not self.peers:
+            return self
+        now = time.monotonic()
+        first = now + self.startup_grace_s
+        self._observed = _Observed(last_ok=now, last_seen=dict.fromkeys(self.peers, first))
+        for target, name in ((self._round_trips, "io"), (self._monitor, "monitor")):
+            thread = threading.Thread(
+                target=target, name=f"elastic-heartbeat-{name}-rank{self.rank}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+        logger.info(
+            "rank %d: peer heartbeat every %.1fs through %s, watching %d peer(s), bound %.1fs",
+            self.rank, self.interval_s, self.address.describe(), len(self.peers), self.timeout_s,
+        )  # fmt: skip
+        return self
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop both threads; the round-trip thread marks this rank as left on its way out
+        (best effort: a blocked store call is abandoned after ``timeout_s``)."""
+        self._stop.set()
+        wait = max(1.0, 2 * self.interval_s) if timeout_s is None else timeout_s
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(wait)
+
+    def __enter__(self) -> PeerHeartbeat:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for logs and benchmarks: beats, store errors, the longest store round
+        trip and the longest gap between two of this rank's heartbeats."""
+        obs = self._observed
+        if obs is None:
+            return {}
+        with self._lock:
+            return {
+                "beats": obs.beats,
+                "errors": obs.errors,
+                "max_round_trip_s": round(obs.max_round_trip_s, 4),
+                "max_beat_gap_s": round(obs.max_beat_gap_s, 4),
+                "left": sorted(obs.left),
+            }
+
+    # -- round trips (may block on a silent store) --------------------------------------
+
+    def _round_trips(self) -> None:
+        store: StoreLike | None = None
+        last_beat: float | None = None
+        keys = [self.key(p) for p in self.peers]
+        warned = False
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                if store is None:
+                    store = self._connect()
+                    store.set(self.host_key(self.rank), self.self_info)
+                    for key in keys:  # create missing counters, so multi_get never waits
+                        store.add(key, 0)
+                store.add(self.key(self.rank), 1)
+                beat_at = time.monotonic()
+                values = store.multi_get(keys)
+                hosts = self._read_hosts(store)
+                self._record(values, hosts, started, beat_at, last_beat)
+                last_beat = beat_at
+            except Exception as exc:
+                store = None
+                with self._lock:
+                    assert self._observed is not None
+                    self._observed.errors += 1
+                if not warned:
+                    logger.warning(
+                        "rank %d: heartbeat through %s failed (%s); retrying",
+                        self.rank, self.address.describe(), exc,
+                    )  # fmt: skip
+                    warned = True
+            if self._store_host_left():
+                logger.info("rank %d: the store host left; heartbeat stops", self.rank)
+                return
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.add(self.key(self.rank), LEFT)
+
+    def _read_hosts(self, store: StoreLike) -> dict[int, str]:
+        obs = self._observed
+        assert obs is not None
+        out: dict[int, str] = {}
+        for peer in self.peers:
+            if peer in obs.hosts:
+                continue
+            key = self.host_key(peer)
+            if store.check([key]):
+                out[peer] = store.get(key).decode(errors="replace")
+        return out
+
+    def _record(
+        self,
+        values: list[bytes],
+        hosts: dict[int, str],
+        started: float,
+        beat_at: float,
+        last_beat: float | None,
+    ) -> None:
+        now = time.monotonic()
+        with self._lock:
+            obs = self._observed
+            assert obs is not None
+            obs.last_ok = now
+            obs.beats += 1
+            obs.hosts.update(hosts)
+            obs.max_round_trip_s = max(obs.max_round_trip_s, now - started)
+            if last_beat is not None:
+                obs.max_beat_gap_s = max(obs.max_beat_gap_s, beat_at - last_beat)
+            for peer, raw in zip(self.peers, values):
+                value = int(raw)
+                if value >= LEFT:
+                    obs.left.add(peer)
+                    continue
+                previous = obs.values.get(peer)
+                obs.values[peer] = value
+                # Alive = the counter moved while this rank watched (a first value may
+                # be a leftover; a peer that has not started yet reads 0).
+                if previous is not None and value != previous:
+                    obs.last_seen[peer] = now
+
+    def _store_host_left(self) -> bool:
+        host = self.address.host_rank
+        if host is None or host == self.rank:
+            return False
+        with self._lock:
+            assert self._observed is not None
+            return host in self._observed.left
+
+    # -- judging ------------------------------------------------------------------------
+
+    def judge(self, now: float, baseline: float) -> SilentVerdict | None:
+        """The verdict at ``now``, ignoring anything before ``baseline`` (a self-stall)."""
+        with self._lock:
+            obs = self._observed
+            assert obs is not None
+            last_ok = obs.last_ok
+            seen = {p: max(t, baseline) for p, t in obs.last_seen.items() if p not in obs.left}
+            hosts = dict(obs.hosts)
+            host_left = self.address.host_rank in obs.left
+        store_age = now - max(last_ok, baseline)
+        if store_age > self.timeout_s and not host_left:
+            host = self.address.host_rank
+            silent = [host] if host is not None and host != self.rank else []
+            return self._verdict(silent, hosts, store_age, store_silent=True)
+        # A peer is silent when its counter has not moved for the bound, and it had already
+        # stopped while the store still answered (by more than two heartbeats at the last
+        # completed read): a slow or departed store alone is not a peer's fault, and a peer
+        # that was silent before the store went away (its host left first) still is.
+        margin = 2 * self.interval_s + 0.25
+        silent = [p for p in silent_peers(seen, now, self.timeout_s) if last_ok - seen[p] > margin]
+        if not silent:
+            return None
+        return self._verdict(silent, hosts, now - seen[silent[0]], store_silent=False)
+
+    def _verdict(
+        self, silent: list[int], hosts: dict[int, str], silent_s: float, *, store_silent: bool
+    ) -> SilentVerdict:
+        return SilentVerdict(
+            rank=self.rank,
+            silent_ranks=silent,
+            hosts={r: hosts.get(r, "host unknown: no heartbeat seen") for r in silent},
+            silent_s=silent_s,
+            bound_s=self.timeout_s,
+            store_silent=store_silent,
+            store=self.address.describe(),
+        )
+
+    def _monitor(self) -> None:
+        previous = time.monotonic()
+        baseline = previous
+        while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            if now - previous > self.interval_s + SELF_STALL_S:
+                logger.warning(
+                    "rank %d: heartbeat threads did not run for %.1fs (this process was "
+                    "stalled); not judging peers on that gap",
+                    self.rank, now - previous,
+                )  # fmt: skip
+                baseline = now
+            previous = now
+            verdict = self.judge(now, baseline)
+            if verdict is not None:
+                self._act(verdict)
+                return
+
+    def _act(self, verdict: SilentVerdict) -> None:
+        self.verdict = verdict
+        message = verdict.message()
+        logger.error("%s", message)
+        if not logging.getLogger().handlers:
+            print(message, file=sys.stderr, flush=True)
+        if self.on_silent is not None:
+            callback = threading.Thread(
+                target=self._call_on_silent, args=(verdict,), name="elastic-heartbeat-on-silent"
+            )
+            callback.daemon = True
+            callback.start()
+            callback.join(ON_SILENT_LIMIT_S)
+        if not self.exit_process:
+            self._stop.set()
+            return
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(self.exit_code)
+
+    def _call_on_silent(self, verdict: SilentVerdict) -> None:
+        try:
+            self.on_silent(verdict)  # type: ignore[misc]
+        except Exception:
+            logger.exception("rank %d: heartbeat on_silent callback failed", self.rank)

@@ -1,0 +1,276 @@
+"""The memory tier of CheckpointManager (``memory_every``): snapshots in node memory.
+
+Every test trains an FSDP2 model on 2 spawned ranks with the memory tier on, then resumes
+in fresh processes (what torchrun does after a failure) and checks which tier and step
+the resume took, and that the parameters and optimizer state are bitwise the saved ones.
+A "node" is a memory directory (``CKPT_MEMORY_DIR``): both ranks in one directory is one
+node (no replicas), one directory per rank is two nodes (each holds the other's replica).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+import ckpt
+import elastic
+from testing.spawn import run_ok
+
+pytestmark = pytest.mark.timeout(300)
+
+GLOBAL_BATCH = 8
+
+
+def _build(seed: int = 0):
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    sampler = elastic.ElasticSampler(1000, GLOBAL_BATCH, seed=3)
+    # "tag" (a plain value) grows every step: its encoding changes length, which moves
+    # the items after it in a snapshot's file (the layout is kept, offsets are re-sent).
+    return {"model": model, "optim": optim, "sched": sched, "sampler": sampler, "tag": ""}
+
+
+def _train_step(state) -> None:
+    model, optim, sched, sampler = state["model"], state["optim"], state["sched"], state["sampler"]
+    ids = torch.as_tensor(sampler.local_batch_ids())
+    x = torch.sin(ids[:, None].float() * torch.arange(1, 7).float())
+    (model(x).pow(2).sum() / GLOBAL_BATCH).backward()
+    optim.step()
+    optim.zero_grad()
+    sched.step()
+    sampler.advance()
+    state["tag"] += "s"
+
+
+def _full(state) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer tensor, gathered in full (collective)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    out = {
+        f"model.{k}": v.clone()
+        for k, v in get_model_state_dict(state["model"], options=opts).items()
+    }
+    optim = get_optimizer_state_dict(state["model"], state["optim"], options=opts)
+    for fqn, per_param in optim["state"].items():
+        for key, value in per_param.items():
+            out[f"optim.{fqn}.{key}"] = value.clone()
+    return out
+
+
+def _node_dir(memory: str | list[str], rank: int) -> str:
+    return memory if isinstance(memory, str) else memory[rank]
+
+
+def _train(rank: int, world: int, root: str, memory, steps: int, every: int, memory_every: int):
+    """Train ``steps`` steps, saving durably every ``every`` and in memory every ``memory_every``;
+    returns the full state after each step."""
+    os.environ["CKPT_MEMORY_DIR"] = _node_dir(memory, rank)
+    state = _build()
+    manager = ckpt.CheckpointManager(root, state, every=every, memory_every=memory_every)
+    assert manager.resume() is None
+    history = {}
+    for step in range(1, steps + 1):
+        _train_step(state)
+        manager.maybe_save(step)
+        history[step] = _full(state)
+    replans = manager._memory.replan_count
+    manager.close()
+    return {"history": history, "replans": replans, "cursor": state["sampler"].cursor}
+
+
+def _resume(rank: int, world: int, root: str, memory, memory_every: int = 1):
+    os.environ["CKPT_MEMORY_DIR"] = _node_dir(memory, rank)
+    events: list[tuple[str, int, dict]] = []
+    state = _build(seed=7)  # other weights: the resume must overwrite them
+    manager = ckpt.CheckpointManager(
+        root,
+        state,
+        memory_every=memory_every,
+        on_event=lambda name, step, **f: events.append((name, step, f)),
+    )
+    step = manager.resume()
+    info = manager.last_resume
+    out = {
+        "step": step,
+        "tier": info.tier if info else None,
+        "full": _full(state),
+        "cursor": state["sampler"].cursor,
+        "tag": state["tag"],
+        "last_lr": state["sched"].get_last_lr(),
+        "events": events,
+        "old_world": info.old_world_size if info else None,
+    }
+    manager.close()
+    return out
+
+
+def _event(events, name):
+    found = [fields | {"step": step} for n, step, fields in events if n == name]
+    assert found, f"no {name} event in {[n for n, _, _ in events]}"
+    return found[-1]
+
+
+def _assert_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def _slot_of(node_dir: str, holder: int, step: int) -> str:
+    for commit in glob.glob(f"{node_dir}/*/h{holder:05d}/slot*/COMMIT"):
+        with open(commit) as f:
+            if json.load(f)["step"] == step:
+                return os.path.dirname(commit)
+    raise AssertionError(f"no committed slot of step {step} for holder {holder} under {node_dir}")
+
+
+def test_resume_takes_the_memory_snapshot_newer_than_the_durable_checkpoint(tmp_path):
+    root, memory = str(tmp_path / "ckpt"), str(tmp_path / "node")
+    saved = run_ok(_train, 2, root, memory, 7, 4, 1)
+    assert saved[0]["replans"] == 1, "every snapshot after the first should reuse the plan"
+    got = run_ok(_resume, 2, root, memory)
+    for r in got:
+        assert (r["step"], r["tier"]) == (7, "memory")
+        assert r["cursor"] == saved[0]["cursor"] == 7 * GLOBAL_BATCH
+        assert r["tag"] == "s" * 7
+    _assert_state(got[0]["full"], saved[0]["history"][7])
+    choice = _event(got[0]["events"], "tier_choice")
+    assert choice["tier"] == "memory" and "memory step 7 newer than durable 4" in choice["reason"]
+    resume = _event(got[0]["events"], "resume")
+    assert resume["tier"] == "memory" and resume["step"] == 7
+    # Resumed from step 7 again: only that snapshot is kept (both ranks' holders).
+    commits = glob.glob(f"{memory}/*/h*/slot*/COMMIT")
+    assert len(commits) == 2
+
+
+def test_a_corrupted_memory_snapshot_is_rejected_and_the_durable_tier_is_used(tmp_path):
+    root, memory = str(tmp_path / "ckpt"), str(tmp_path / "node")
+    saved = run_ok(_train, 2, root, memory, 6, 4, 2)  # memory 4 and 6, durable 4
+    shard = os.path.join(_slot_of(memory, 1, 6), "rank_00001.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    got = run_ok(_resume, 2, root, memory)
+    for r in got:
+        assert (r["step"], r["tier"]) == (4, "durable")
+    _assert_state(got[0]["full"], saved[0]["history"][4])
+    fallback = _event(got[0]["events"], "fallback")
+    assert fallback["tier"] == "memory" and fallback["step"] == 6
+    assert "rank_00001.distcp" in fallback["reason"] and "crc32c" in fallback["reason"]
+    choice = _event(got[0]["events"], "tier_choice")
+    assert choice["tier"] == "durable" and "memory step 6 rejected" in choice["reason"]
+
+
+def test_a_snapshot_without_its_commit_record_is_ignored(tmp_path):
+    root, memory = str(tmp_path / "ckpt"), str(tmp_path / "node")
+    saved = run_ok(_train, 2, root, memory, 5, 0, 1)  # no durable checkpoint at all
+    os.unlink(os.path.join(_slot_of(memory, 1, 5), "COMMIT"))  # rank 1 died before its commit
+    got = run_ok(_resume, 2, root, memory)
+    for r in got:
+        assert (r["step"], r["tier"]) == (4, "memory")
+    _assert_state(got[0]["full"], saved[0]["history"][4])
+    choice = _event(got[0]["events"], "tier_choice")
+    assert "rank_00001.distcp is on no surviving node" in choice["reason"]
+    assert "no COMMIT record" in choice["reason"]
+
+
+def test_a_lost_node_resumes_from_its_peer_replica_on_a_smaller_world(tmp_path):
+    root = str(tmp_path / "ckpt")
+    nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    saved = run_ok(_train, 2, root, nodes, 5, 0, 1)
+    assert os.path.exists(os.path.join(_slot_of(nodes[0], 0, 5), "rank_00001.distcp"))
+    import shutil
+
+    shutil.rmtree(nodes[1])  # node 1 is gone, with rank 1's own copy
+    got = run_ok(_resume, 1, root, nodes[:1])[0]
+    assert (got["step"], got["tier"], got["old_world"]) == (5, "memory", 2)
+    _assert_state(got["full"], saved[0]["history"][5])
+    assert got["cursor"] == 5 * GLOBAL_BATCH  # the same samples come next
+
+
+def test_a_corrupted_copy_is_replaced_by_the_replica_on_the_other_node(tmp_path):
+    root = str(tmp_path / "ckpt")
+    nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    saved = run_ok(_train, 2, root, nodes, 4, 0, 1)
+    own = os.path.join(_slot_of(nodes[1], 1, 4), "rank_00001.distcp")
+    with open(own, "r+b") as f:  # rank 1's own copy rots; node 0 holds a good replica
+        f.seek(os.path.getsize(own) // 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x80]))
+    got = run_ok(_resume, 2, root, nodes)
+    for r in got:
+        assert (r["step"], r["tier"]) == (4, "memory")
+    _assert_state(got[0]["full"], saved[0]["history"][4])
+    assert not [e for e in got[0]["events"] if e[0] == "fallback"]
+    choice = _event(got[0]["events"], "tier_choice")
+    assert "rank_00001.distcp" in choice["reason"] and "assembled again" in choice["reason"]
+
+
+def _durable_only(rank: int, world: int, root: str, memory: str, steps: int):
+    """A later attempt without the memory tier: resumes durably, commits ``steps``."""
+    os.environ["CKPT_MEMORY_DIR"] = memory
+    state = _build()
+    manager = ckpt.CheckpointManager(root, state, every=1)
+    start = manager.resume()
+    for step in range(start + 1, steps + 1):
+        _train_step(state)
+        manager.maybe_save(step)
+    manager.close()
+    return start
+
+
+def test_a_durable_commit_of_a_newer_attempt_fences_an_older_memory_snapshot(tmp_path):
+    root, memory = str(tmp_path / "ckpt"), str(tmp_path / "node")
+    run_ok(_train, 2, root, memory, 7, 4, 1, env={"TORCHELASTIC_RESTART_COUNT": "0"})
+    # Attempt 1 ran without the memory tier from durable 4 and committed step 5.
+    starts = run_ok(_durable_only, 2, root, memory, 5, env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    assert starts == [4, 4]
+    got = run_ok(_resume, 2, root, memory, env={"TORCHELASTIC_RESTART_COUNT": "2"})
+    for r in got:
+        assert (r["step"], r["tier"]) == (5, "durable")
+    choice = _event(got[0]["events"], "tier_choice")
+    assert "fenced" in choice["reason"]
+    assert not glob.glob(f"{memory}/*/h*/slot*/COMMIT"), "unusable snapshots are removed"
+
+
+def _finish(rank: int, world: int, root: str, memory: str):
+    os.environ["CKPT_MEMORY_DIR"] = memory
+    state = _build()
+    manager = ckpt.CheckpointManager(root, state, every=0, memory_every=1)
+    for step in range(1, 4):
+        _train_step(state)
+        manager.maybe_save(step, final=step == 3)
+    manager.close()
+
+
+def test_memory_snapshots_are_dropped_once_the_durable_tier_has_caught_up(tmp_path):
+    root, memory = str(tmp_path / "ckpt"), str(tmp_path / "node")
+    run_ok(_finish, 2, root, memory)
+    assert [i.step for i in ckpt.list_checkpoints(root)] == [3]
+    assert not glob.glob(f"{memory}/*/h*"), os.listdir(memory)
+
+
+def test_memory_every_is_validated():
+    with pytest.raises(ValueError, match="memory_every"):
+        ckpt.CheckpointManager("/tmp/x", {}, memory_every=-1)
