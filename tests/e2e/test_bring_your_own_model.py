@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from testing.local_cluster import REPO, descendants
+from testing.local_cluster import REPO
+from testing.procs import RunTimeoutError, run_bounded
 
 pytestmark = pytest.mark.e2e
 
@@ -44,20 +44,10 @@ def launch(
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 f"--max_restarts={max_restarts}", "--monitor_interval=0.5"]  # fmt: skip
     cmd += [SCRIPT, "--ckpt-dir", ckpt_dir, "--run-dir", run_dir, *args]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
     try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for pid in [*descendants(proc.pid), proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} still running after {RUN_TIMEOUT_S} s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout=out)
+        return run_bounded(cmd, env=env, cwd=REPO, timeout_s=RUN_TIMEOUT_S)
+    except RunTimeoutError as exc:
+        pytest.fail(str(exc))
 
 
 def launch_ok(*args, **kwargs) -> subprocess.CompletedProcess:

@@ -13,14 +13,13 @@ import glob
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import uuid
 
 import pytest
 
-from testing.local_cluster import REPO, descendants
+from testing.local_cluster import REPO
+from testing.procs import RunTimeoutError, run_bounded
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -41,19 +40,11 @@ def _run(tmp: str, name: str, memory_dir: str, *args: str) -> str:
            "--max_restarts=1", "--monitor_interval=0.5", SCRIPT,
            "--ckpt-dir", os.path.join(tmp, f"{name}_ckpt"), "--run-dir", run_dir,
            "--max-steps", str(STEPS), "--ckpt-every", "6", *args]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
     try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for pid in [*descendants(proc.pid), proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        out, _ = proc.communicate()
-        pytest.fail(f"{name}: still running after {RUN_TIMEOUT_S} s:\n{out[-4000:]}")
+        proc = run_bounded(cmd, env=env, cwd=REPO, timeout_s=RUN_TIMEOUT_S)
+    except RunTimeoutError as exc:
+        pytest.fail(f"{name}: {exc}")
+    out = proc.stdout
     assert proc.returncode == 0, out[-6000:]
     return run_dir
 
