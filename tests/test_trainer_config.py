@@ -30,8 +30,10 @@ def test_overrides_are_typed_and_applied(tmp_path):
     path.write_text("[model]\nn_layer = 3\n[optim]\nlr = 0.01\n")
     cfg = load_config(
         str(path),
-        ["model.n_layer=5", "optim.lr=2e-4", "run.save_final=true", "checkpoint.dir=memory://x"],
-    )
+        ["model.n_layer=5", "optim.lr=2e-4", "run.save_final=true", "checkpoint.dir=memory://x",
+         "checkpoint.memory_every=2"],
+    )  # fmt: skip
+    assert cfg.checkpoint.memory_every == 2
     assert cfg.model.n_layer == 5
     assert cfg.optim.lr == pytest.approx(2e-4)
     assert cfg.run.save_final is True
@@ -53,6 +55,7 @@ def test_overrides_are_typed_and_applied(tmp_path):
         ({"run": {"mixed_precision": "fp8"}}, "run.mixed_precision='fp8'"),
         ({"run": {"deterministic": "maybe"}}, "run.deterministic='maybe'"),
         ({"run": {"max_steps": True}}, "run.max_steps=True"),
+        ({"checkpoint": {"memory_every": -1}}, "checkpoint.memory_every=-1"),
     ],
 )
 def test_bad_config_names_key_and_value(raw, message):

@@ -147,9 +147,16 @@ class CheckpointConfig:
     async_save: bool = False
     """Return to training once the state is staged in host memory; upload and commit in
     the background (one save in flight; emergency and final saves are synchronous)."""
+    memory_every: int = 0
+    """Memory tier: also snapshot the state every N steps into node memory
+    (``CKPT_MEMORY_DIR``, default ``/dev/shm/ckpt-memory``), replicated to a rank on
+    another node; a restart resumes from the newest complete snapshot when it is newer
+    than the last durable checkpoint. 0 (default) disables it."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+        _require(self.memory_every >= 0, "checkpoint.memory_every", self.memory_every,
+                 "must be >= 0")  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)

@@ -212,7 +212,7 @@ def build_checkpoints(
         metadata=metadata,
         on_event=on_event,
         # Memory tier (0: off): snapshots in node memory every N steps, newer than `every`.
-        memory_every=getattr(cfg.checkpoint, "memory_every", 0),
+        memory_every=cfg.checkpoint.memory_every,
     )
     return manager
 
