@@ -1,0 +1,5 @@
+import sys
+
+from warmstart.launcher import main
+
+sys.exit(main())

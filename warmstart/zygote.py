@@ -1,0 +1,242 @@
+"""``python -m warmstart.zygote AGENT_PID RUN_ID [MODULE ...]``: one per torchrun agent.
+
+Imports the modules (torch and what a training worker always needs), then forks one
+child per launcher request. Single-threaded on purpose: a fork copies only the calling
+thread, so nothing else may run here. Every 0.1 s it also
+
+- reaps exited children and sends each launcher its child's ``waitpid`` status;
+- SIGKILLs the child of a launcher that went away (killed: its connection closed);
+- stops the child of a stopped launcher (SIGSTOP, a frozen node) and continues it with
+  the launcher;
+- exits once its agent is gone and no child is left.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+from warmstart.protocol import Target, peer_pid_uid, recv_frame, send_frame, socket_names
+from warmstart.target import run_target
+
+TICK_S = 0.1
+REQUEST_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class Request:
+    """What a forked child runs, as the launcher asked for it."""
+
+    target: Target
+    env: dict[str, str]
+    cwd: str
+    fds: list[int]
+
+
+@dataclass(slots=True)
+class Launcher:
+    sock: socket.socket
+    pid: int
+    child: int = 0
+    stopped: bool = False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _state(pid) not in ("Z", "X", "")
+
+
+def _state(pid: int) -> str:
+    """The one-letter state of ``pid`` from ``/proc`` ("" when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def serve(listener: socket.socket, agent_pid: int) -> Request | None:
+    """The zygote's loop. Returns only in a freshly forked child (its request), or None
+    when the zygote should exit."""
+    launchers: dict[socket.socket, Launcher] = {}
+    by_child: dict[int, Launcher] = {}
+    while True:
+        ready, _, _ = select.select([listener, *launchers], [], [], TICK_S)
+        for sock in ready:
+            if sock is listener:
+                _accept(listener, launchers)
+                continue
+            launcher = launchers[sock]
+            if launcher.child == 0:
+                request = _read_request(launcher, launchers)
+                if request is None:
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    for other in launchers:
+                        other.close()
+                    return request
+                for fd in request.fds:
+                    os.close(fd)
+                launcher.child = pid
+                by_child[pid] = launcher
+                try:
+                    send_frame(sock, {"pid": pid})
+                except OSError:
+                    pass  # the launcher is gone: the EOF below kills the child
+            else:
+                # A launcher sends nothing after its request: readable means it closed.
+                try:
+                    gone = not sock.recv(1)
+                except OSError:
+                    gone = True
+                if gone:
+                    _signal(launcher.child, signal.SIGKILL)
+                    if launcher.stopped:
+                        _signal(launcher.child, signal.SIGCONT)
+                    del launchers[sock]
+                    sock.close()
+        _reap(by_child, launchers)
+        _mirror_stops(by_child)
+        if not by_child and not _alive(agent_pid):
+            return None
+
+
+def _accept(listener: socket.socket, launchers: dict[socket.socket, Launcher]) -> None:
+    try:
+        sock, _ = listener.accept()
+    except OSError:
+        return
+    pid, uid = peer_pid_uid(sock)
+    if uid != os.getuid():
+        sock.close()  # someone else's process: this zygote serves its own user only
+        return
+    launchers[sock] = Launcher(sock=sock, pid=pid)
+
+
+def _read_request(launcher: Launcher, launchers: dict[socket.socket, Launcher]) -> Request | None:
+    sock = launcher.sock
+    sock.settimeout(REQUEST_TIMEOUT_S)
+    try:
+        raw, fds = recv_frame(sock, with_fds=True)
+        request = Request(
+            target=Target.from_json(raw["target"]),
+            env={str(k): str(v) for k, v in raw["env"].items()},
+            cwd=str(raw["cwd"]),
+            fds=fds,
+        )
+    except (OSError, EOFError, ValueError, KeyError, TypeError):
+        del launchers[sock]
+        sock.close()
+        return None
+    finally:
+        if sock.fileno() >= 0:
+            sock.settimeout(None)
+    if len(request.fds) != 3:
+        for fd in request.fds:
+            os.close(fd)
+        del launchers[sock]
+        sock.close()
+        return None
+    return request
+
+
+def _reap(by_child: dict[int, Launcher], launchers: dict[socket.socket, Launcher]) -> None:
+    while by_child:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        launcher = by_child.pop(pid, None)
+        if launcher is None or launcher.sock not in launchers:
+            continue
+        try:
+            send_frame(launcher.sock, {"status": status})
+        except OSError:
+            pass
+        del launchers[launcher.sock]
+        launcher.sock.close()
+
+
+def _mirror_stops(by_child: dict[int, Launcher]) -> None:
+    for child, launcher in by_child.items():
+        stopped = _state(launcher.pid) in ("T", "t")
+        if stopped and not launcher.stopped:
+            _signal(child, signal.SIGSTOP)
+            launcher.stopped = True
+        elif launcher.stopped and not stopped:
+            _signal(child, signal.SIGCONT)
+            launcher.stopped = False
+
+
+def become_child(request: Request) -> None:
+    """Turn a freshly forked zygote into the launcher's worker (same stdio, env, cwd)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.setsid()  # like torchrun's workers: a session of its own
+    for target_fd, fd in zip((0, 1, 2), request.fds, strict=True):
+        os.dup2(fd, target_fd)
+    for fd in request.fds:
+        if fd > 2:
+            os.close(fd)
+    os.chdir(request.cwd)
+    os.environ.clear()
+    os.environ.update(request.env)
+
+
+def main(argv: list[str]) -> int:
+    agent_pid, run_id, modules = int(argv[0]), argv[1], argv[2:]
+    lock_name, serve_name = socket_names(agent_pid, run_id)
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        lock.bind(lock_name)
+    except OSError:
+        return 0  # another zygote serves (or is getting ready to serve) this agent
+    started = time.monotonic()
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a zygote without it is still useful
+            print(f"warmstart zygote: import {name} failed: {exc}", file=sys.stderr)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(serve_name)
+    listener.listen(64)
+    print(
+        f"warmstart zygote: ready for agent {agent_pid} after {time.monotonic() - started:.1f} s",
+        file=sys.stderr,
+    )
+    request = serve(listener, agent_pid)
+    if request is None:
+        return 0
+    lock.close()
+    become_child(request)
+    run_target(request.target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
