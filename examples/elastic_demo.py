@@ -5,7 +5,9 @@
 What happens (1 to 2 minutes on 2 CPU cores):
 
 1. two torchrun agents (``--nnodes=2:4 --nproc_per_node=1 --max_restarts=3``) start
-   the tiny GPT on a shared c10d rendezvous (its store runs in its own process);
+   the tiny GPT on a shared c10d rendezvous (its store runs in its own process),
+   through the warm-start launcher (``-m warmstart -m trainer``: restarts are forked
+   from a per-node interpreter that already imported torch; ``--plain``: ``-m trainer``);
 2. a worker is SIGKILLed (fault ``kill:step=24:rank=1`` for 120 steps): torchrun restarts the
    group, which resumes from the last committed checkpoint;
 3. a third agent joins: the job re-rendezvouses at world size 3, reshards the
@@ -43,12 +45,20 @@ def main() -> int:
     parser.add_argument(
         "--timeout", type=float, default=600, help="give up after this many seconds"
     )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="start workers as `-m trainer` (every restart imports torch again) "
+        "instead of `-m warmstart -m trainer`",
+    )
     args = parser.parse_args()
 
     kill_at, join_after = max(3, args.steps // 5), max(5, args.steps // 5 + 10)
     job = ElasticJob(
         workdir=args.workdir,
-        trainer_args=[
+        module="trainer" if args.plain else "warmstart",
+        trainer_args=([] if args.plain else ["-m", "trainer"])
+        + [
             "--config",
             "examples/tiny_gpt.toml",
             "--max-steps",
