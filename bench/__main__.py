@@ -14,16 +14,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bench import memory_tier
 from bench import metrics as m
 from bench.async_rounds import async_rounds
 from bench.elastic_runs import (
+    WARM_MODULE,
     cold_init_s,
     elastic_run,
     goodput,
     restarts,
     silent_loss,
     silent_node_run,
+    warm_available,
 )
+from bench.fault_cost import KillPlan, fault_cost_run
 from bench.fsdp_state import layer_width
 from bench.gcs import gcs_rounds
 from bench.report import markdown_table, write_json
@@ -54,12 +58,17 @@ class Mode:
     """Checkpoint size for the gs:// rounds (the emulator keeps objects in memory)."""
     train_steps: int
     """Steps per trainer / plain-loop run (trainer_overhead); the first 5 are warm-up."""
-    elastic_runs: int
-    """2-agent torchrun jobs with 3 kills each (restart_overhead, ettr), and as many 3-agent
-    jobs with a frozen node (silent_node_loss); 0: not run."""
+    elastic_jobs: bool
+    """Run the 2-agent torchrun jobs with kills (restart_overhead, fault_cost_s, ettr): one
+    with the memory tier, one durable only, and a plain-launcher one when the warm
+    launcher is used."""
+    silent_runs: int
+    """3-agent torchrun jobs with a frozen node (silent_node_loss); 0: not run."""
     spawn_rounds: int
     """Rounds of the measurements that spawn processes per sample (reshard loads,
     trainer vs plain-loop runs): each costs a process start per side."""
+    memory: memory_tier.Mode
+    """The mode of :mod:`bench.memory_tier` (memory_tier_stall, peer_restore_vs_disk)."""
 
 
 QUICK = Mode(
@@ -70,8 +79,10 @@ QUICK = Mode(
     persist_bytes=128 << 20,
     gcs_bytes=64 << 20,
     train_steps=15,
-    elastic_runs=0,
+    elastic_jobs=False,
+    silent_runs=0,
     spawn_rounds=2,
+    memory=memory_tier.QUICK,
 )
 FULL = Mode(
     name="full",
@@ -81,12 +92,19 @@ FULL = Mode(
     persist_bytes=1 << 30,
     gcs_bytes=256 << 20,
     train_steps=45,
-    elastic_runs=2,
+    elastic_jobs=True,
+    silent_runs=2,
     spawn_rounds=5,
+    memory=memory_tier.FULL,
 )
 WARMUP_STEPS = 5
-KILL_STEPS = [20, 45, 70]
-ELASTIC_MAX_STEPS = 90
+FULL_ONLY = ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss")
+"""Metrics measured in full mode only (torchrun jobs of a minute or more each)."""
+KILL_PLAN = KillPlan()
+"""The jobs of restart_overhead, fault_cost_s and ettr (bench/fault_cost.py)."""
+PLAIN_KILL_STEPS = [25, 50]
+PLAIN_MAX_STEPS = 65
+"""The plain-launcher job run beside warm-launcher ones (cold restart_overhead only)."""
 ELASTIC_CKPT_EVERY = 10
 SILENT_MAX_STEPS = 40
 SILENT_FREEZE_AFTER = 12
@@ -108,15 +126,28 @@ def parse_only(text: str) -> tuple[str, ...]:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     groups = "; ".join(f"{g}: {', '.join(names)}" for g, names in m.GROUPS.items())
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    q, f = QUICK.memory, FULL.memory
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        epilog="restart_overhead, fault_cost_s and ettr run the trainer through the warm "
+        f"restart launcher (torchrun ... -m {WARM_MODULE} -m trainer ...) when the module "
+        f"{WARM_MODULE} can be imported, else the trainer itself (plus one job through the "
+        "trainer itself for the cold figure when the warm launcher is used); "
+        "detail.launcher says which.",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
         help=f"64 MB state instead of 1 GB, {QUICK.rounds} rounds instead of {FULL.rounds} "
         f"({QUICK.spawn_rounds} instead of {FULL.spawn_rounds} for reshard_load and "
         "trainer_overhead, which start processes per sample), "
-        "smaller async/gcs states, shorter training runs; restart_overhead, ettr and "
-        "silent_node_loss are not measured (full mode only)",
+        "smaller async/gcs states, shorter training runs, bench.memory_tier's quick mode "
+        f"({q.stall_rounds} instead of {f.stall_rounds} stall rounds of {q.stall_steps} "
+        f"instead of {f.stall_steps} steps, {q.restore_rounds} instead of {f.restore_rounds} "
+        f"restore rounds of a {q.restore_bytes >> 20} MB instead of {f.restore_bytes >> 20} MB "
+        f"state); {', '.join(FULL_ONLY[:-1])} and {FULL_ONLY[-1]} are not measured "
+        "(full mode only)",
     )
     p.add_argument(
         "--only",
@@ -269,41 +300,79 @@ def _gcs(mode: Mode) -> list[m.Metric]:
     return [m.gcs_metric(raw)]
 
 
+def _memory(work: str, mode: Mode) -> list[m.Metric]:
+    return m.memory_metrics(memory_tier.measure(work, mode.memory))
+
+
+def _not_full(names: tuple[str, ...]) -> list[m.Metric]:
+    return [m.missing(name, "full mode only (torchrun jobs of a minute or more)") for name in names]
+
+
 def _elastic(work: str, mode: Mode) -> list[m.Metric]:
-    if mode.elastic_runs == 0:
-        return [
-            m.missing("restart_overhead", "full mode only (~1 min per torchrun job)"),
-            m.missing("ettr", "full mode only"),
-            m.missing("silent_node_loss", "full mode only (~45 s per torchrun job)"),
-        ]
-    samples: list[dict[str, float]] = []
-    cold: list[float] = []
-    runs: list[dict[str, Any]] = []
-    for _ in range(mode.elastic_runs):
+    """restart_overhead, fault_cost_s, ettr: one job with the memory tier, one durable only
+    (both through the warm launcher when it is installed), cold inits around them."""
+    if not mode.elastic_jobs:
+        return _not_full(("restart_overhead", "fault_cost_s", "ettr"))
+    warm = warm_available()
+    launcher = "warmstart" if warm else "plain"
+    cold = [cold_init_s(work)]
+    ours = fault_cost_run(work, KILL_PLAN, mode.timeout_s, memory=True, warm=warm)
+    cold.append(cold_init_s(work))
+    base = fault_cost_run(work, KILL_PLAN, mode.timeout_s, memory=False, warm=warm)
+    cold.append(cold_init_s(work))
+    samples = restarts(ours["metrics"], ours["events"], ours["logs"])
+    samples += restarts(base["metrics"], base["events"], base["logs"])
+    plain: list[dict[str, float]] | str | None = None
+    if warm:  # the cold path beside it: one shorter job through the trainer itself
+        try:
+            out = elastic_run(
+                work, PLAIN_MAX_STEPS, PLAIN_KILL_STEPS, ELASTIC_CKPT_EVERY, mode.timeout_s
+            )
+            plain = restarts(out["metrics"], out["events"], out["logs"])
+        except Exception as exc:
+            plain = f"failed: {exc}"[:500]
         cold.append(cold_init_s(work))
-        out = elastic_run(
-            work, ELASTIC_MAX_STEPS, KILL_STEPS, ELASTIC_CKPT_EVERY, timeout_s=mode.timeout_s
-        )
-        samples += restarts(out["metrics"], out["events"], out["logs"])
-        runs.append({**goodput(out["metrics"], out["events"]), "job_wall_s": out["job_wall_s"]})
-        cold.append(cold_init_s(work))
-    settings = {
-        "kill_steps": KILL_STEPS,
-        "max_steps": ELASTIC_MAX_STEPS,
-        "checkpoint_every_steps": ELASTIC_CKPT_EVERY,
-        "checkpoint": "async",
-        "agents": 2,
-    }
-    mean_gap = [r["wall_time_s"] / (len(KILL_STEPS) + 1) for r in runs]
+    settings = {"launcher": launcher, **KILL_PLAN.settings()}
+    runs = [
+        {**goodput(job["metrics"], job["events"]), "job_wall_s": job["job_wall_s"]}
+        for job in (ours, base)
+    ]
+    return [
+        m.restart_metric(
+            samples,
+            cold,
+            plain_launcher=plain,
+            jobs="the memory-tier and the durable-only job of fault_cost_s",
+            **settings,
+        ),
+        m.fault_cost_metric(
+            ours["cost"],
+            base["cost"],
+            job_wall_s=[round(ours["job_wall_s"], 1), round(base["job_wall_s"], 1)],
+            **settings,
+        ),
+        m.ettr_metric(
+            runs[:1],
+            mean_s_between_faults=[round(ours["cost"]["mean_s_between_faults"], 1)],
+            baseline_goodput=round(runs[1]["goodput"], 4),
+            baseline_durable_only=runs[1],
+            baseline_mean_s_between_faults=round(base["cost"]["mean_s_between_faults"], 1),
+            tiers="memory + durable (baseline_durable_only: the same job without the memory tier)",
+            **settings,
+        ),
+    ]
+
+
+def _silent(work: str, mode: Mode) -> list[m.Metric]:
+    if mode.silent_runs == 0:
+        return _not_full(("silent_node_loss",))
     silent = []
-    for _ in range(mode.elastic_runs):
+    for _ in range(mode.silent_runs):
         out = silent_node_run(
             work, SILENT_MAX_STEPS, SILENT_FREEZE_AFTER, ELASTIC_CKPT_EVERY, mode.timeout_s
         )
         silent.append(silent_loss(out["metrics"], out["events"], out["logs"], out["frozen_at"]))
     return [
-        m.restart_metric(samples, cold, **settings),
-        m.ettr_metric(runs, mean_s_between_faults=[round(x, 1) for x in mean_gap], **settings),
         m.silent_node_metric(
             silent,
             agents=3,
@@ -311,7 +380,7 @@ def _elastic(work: str, mode: Mode) -> list[m.Metric]:
             freeze_after_step=SILENT_FREEZE_AFTER,
             checkpoint_every_steps=ELASTIC_CKPT_EVERY,
             settings="default trainer settings (run.peer_timeout_s=6, run.heartbeat_s=0.5)",
-        ),
+        )
     ]
 
 
@@ -330,7 +399,9 @@ def tasks(work: str, mode: Mode) -> list[tuple[str, str, Callable[[], list[m.Met
         ("async", "async", lambda: _async(work, mode)),
         ("overhead", "trainer_overhead", lambda: _overhead(work, mode)),
         ("gcs", "gcs", lambda: _gcs(mode)),
-        ("elastic", "elastic", lambda: _elastic(work, mode)),
+        ("memory", "memory tier", lambda: _memory(own("memory"), mode)),
+        ("elastic", "kill jobs", lambda: _elastic(work, mode)),
+        ("elastic", "silent node jobs", lambda: _silent(work, mode)),
     ]
 
 

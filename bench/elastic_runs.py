@@ -1,18 +1,21 @@
 """``restart_overhead``, ``ettr`` and ``silent_node_loss``: real torchrun jobs.
 
 ``silent_node_loss`` (3 agents, one frozen by SIGSTOP): see :func:`silent_node_run`
-and :func:`silent_loss`. The others: 2 agents with injected kills.
+and :func:`silent_loss`. The others: 2 agents with injected kills (the jobs of
+:mod:`bench.fault_cost`, which also yields ``fault_cost_s``).
 
 Each job is :class:`testing.local_cluster.ElasticJob` (a standalone c10d store and
 two ``torchrun`` agents, one worker each) running the tiny GPT with async
-checkpoints; ``TRAINER_FAULTS`` SIGKILLs one worker in each of several attempts.
-From ``metrics.jsonl`` and ``events.jsonl``:
+checkpoints (and, with ``memory_every``, the memory tier, each agent a node of its
+own); ``TRAINER_FAULTS`` SIGKILLs one worker in each of several attempts. With
+``warm=True`` the agents run the warm restart launcher, ``-m warmstart -m trainer
+...``, instead of ``-m trainer ...``. From ``metrics.jsonl``, the events of every
+rank and the agents' logs:
 
-- per restart: last row before the kill -> first row after the resume, minus the
-  checkpoint load duration (``checkpoint_loaded``.duration_s); split into
-  detection + rendezvous + spawn/import/process group + model build (the gap from
-  the ``fault`` event to the next ``start`` event, minus the load), the load, and
-  the first step (its ``step_time_s``);
+- per restart (:func:`restarts`): last row before the kill -> first row after the
+  resume, minus the checkpoint load duration (``checkpoint_loaded``.duration_s);
+  split into detection, rendezvous + spawn/import/process group, model build (agent
+  log timestamps), the load, and the first step (its ``step_time_s``);
 - goodput over the whole run with :func:`trainer.report.summarize`.
 
 The baseline is one cold ``python -c "import torch; ...; init_process_group('gloo')"``
@@ -22,13 +25,15 @@ The baseline is one cold ``python -c "import torch; ...; init_process_group('glo
 from __future__ import annotations
 
 import datetime
-import itertools
+import importlib.util
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+import uuid
 from typing import Any
 
 from bench.gpt import CONFIG, REPO
@@ -52,40 +57,99 @@ def cold_init_s(work: str) -> float:
 
 
 def fault_spec(kill_steps: list[int]) -> str:
-    """One kill per attempt, alternating ranks: ``kill:step=S:rank=R:attempt=A;...``."""
-    return ";".join(
-        f"kill:step={s}:rank={(a + 1) % 2}:attempt={a}" for a, s in enumerate(kill_steps)
-    )
+    """One kill per attempt, for the one worker of the agent that gets it:
+    ``kill:step=S:attempt=A;...`` (no rank: whichever rank that worker holds).
+
+    Always the same agent's worker: the job-wide restart count is the highest of the
+    agents' (``elastic.identity.job_restart_count``), and an agent whose worker merely
+    lost its peer restarts at most once per kill, so the victim's agent holds the highest
+    count and each attempt's kill fires exactly once. (Kills that alternate between
+    agents can fire twice: the other agent's count may lag one behind.)
+    """
+    return ";".join(f"kill:step={s}:attempt={a}" for a, s in enumerate(kill_steps))
+
+
+WARM_MODULE = "warmstart"
+"""The warm restart launcher: ``torchrun ... -m warmstart -m trainer <args>``."""
+
+
+def warm_available() -> bool:
+    """True when the warm restart launcher (module :data:`WARM_MODULE`) can be imported."""
+    return importlib.util.find_spec(WARM_MODULE) is not None
+
+
+def worker_pythonpath() -> str:
+    """The repository, then this process's ``PYTHONPATH``: workers import what
+    :func:`warm_available` found here."""
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != REPO]
+    return os.pathsep.join([REPO, *extra])
+
+
+def launch_module(trainer_args: list[str], warm: bool) -> tuple[str, list[str]]:
+    """``(module, args)`` for :class:`testing.local_cluster.ElasticJob`: the trainer itself,
+    or the warm launcher with ``-m trainer <args>`` (ElasticJob runs ``-m module args``)."""
+    if warm:
+        return WARM_MODULE, ["-m", "trainer", *trainer_args]
+    return "trainer", list(trainer_args)
 
 
 def elastic_run(
-    work: str, max_steps: int, kill_steps: list[int], ckpt_every: int, timeout_s: float
+    work: str,
+    max_steps: int,
+    kill_steps: list[int],
+    ckpt_every: int,
+    timeout_s: float,
+    *,
+    warm: bool = False,
+    memory_every: int = 0,
 ) -> dict[str, Any]:
-    """One 2-agent job with a kill at each of ``kill_steps``; returns its rows and events."""
+    """One 2-agent job whose agent 0's worker is killed before each of ``kill_steps``
+    (:func:`fault_spec`); returns its rows, the events of every rank and the agent logs.
+
+    Durable checkpoints (async) every ``ckpt_every`` steps; with ``memory_every`` > 0 the
+    memory tier is on too (``checkpoint.memory_every``), each agent a node of its own
+    (its own ``CKPT_MEMORY_DIR`` under /dev/shm, removed afterwards). ``warm``: launch
+    through :data:`WARM_MODULE` instead of the trainer itself.
+    """
     from testing.local_cluster import ElasticJob
 
     args = [
         "--config", CONFIG, "--max-steps", str(max_steps), "--ckpt-every", str(ckpt_every),
         "--set", "checkpoint.async_save=true", "--set", f"run.log_every={max_steps}",
     ]  # fmt: skip
+    if memory_every:
+        args += ["--set", f"checkpoint.memory_every={memory_every}"]
+    module, trainer_args = launch_module(args, warm)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else work
+    memory = os.path.join(shm, f"bench-elastic-{uuid.uuid4().hex[:8]}")
     job = ElasticJob(
         os.path.join(work, f"job_{time.monotonic_ns()}"),
-        trainer_args=args,
+        trainer_args=trainer_args,
+        module=module,
         max_restarts=len(kill_steps),
-        env={"TRAINER_FAULTS": fault_spec(kill_steps), "PYTHONPATH": REPO},
+        env={"PYTHONPATH": worker_pythonpath()},
     )
     t0 = time.monotonic()
     try:
-        job.add_agent()
-        job.add_agent()
+        for i in range(2):
+            faults = fault_spec(kill_steps) if i == 0 else ""  # agent 0's worker is killed
+            node = os.path.join(memory, f"node{i}")
+            job.add_agent(env={"CKPT_MEMORY_DIR": node, "TRAINER_FAULTS": faults})
         codes = job.wait_agents(timeout_s)
         wall = time.monotonic() - t0
         if any(codes.values()):
             raise RuntimeError(f"elastic job failed: {codes}\n{job.logs_tail()}")
         logs = [agent.log() for agent in job.agents]
-        return {"metrics": job.metrics(), "events": job.events(), "job_wall_s": wall, "logs": logs}
+        return {
+            "metrics": job.metrics(),
+            "events": job.all_events(),
+            "job_wall_s": wall,
+            "logs": logs,
+            "launcher": "warmstart" if warm else "plain",
+        }
     finally:
         job.close()
+        shutil.rmtree(memory, ignore_errors=True)
 
 
 _TRAINER_TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (.*)$")
@@ -120,19 +184,34 @@ def log_marks(logs: list[str], year: int) -> list[tuple[float, str]]:
     return sorted(marks)
 
 
+def attempt_starts(metrics: list[dict]) -> list[int]:
+    """Indices of the rows that begin a new attempt: ``restart_count`` or ``world_size``
+    changed, or the step did not go up (a resume re-ran steps). The rule of
+    :func:`trainer.report.split_attempts`, so boundaries here are that report's."""
+    out = []
+    for i in range(1, len(metrics)):
+        prev, row = metrics[i - 1], metrics[i]
+        if (
+            row.get("restart_count", 0) != prev.get("restart_count", 0)
+            or row.get("world_size", 1) != prev.get("world_size", 1)
+            or int(row["step"]) <= int(prev["step"])
+        ):
+            out.append(i)
+    return out
+
+
 def restarts(
     metrics: list[dict], events: list[dict], logs: list[str] | None = None
 ) -> list[dict[str, float]]:
-    """One breakdown per attempt boundary (restart_count going up)."""
+    """One breakdown per attempt boundary (:func:`attempt_starts`)."""
     out = []
     year = datetime.datetime.fromtimestamp(float(metrics[0]["time"])).year if metrics else 1970
     marks = log_marks(logs or [], year)
     faults = [e for e in events if e.get("event") == "fault"]
     starts = [e for e in events if e.get("event") == "start"]
     loads = [e for e in events if e.get("event") == "checkpoint_loaded"]
-    for prev, row in itertools.pairwise(metrics):
-        if row["restart_count"] <= prev["restart_count"]:
-            continue
+    for i in attempt_starts(metrics):
+        prev, row = metrics[i - 1], metrics[i]
         attempt = row["restart_count"]
         load = next(
             (e for e in loads if e["time"] > prev["time"] and e["time"] < row["time"]), None

@@ -21,8 +21,11 @@ TARGETS: dict[str, tuple[float, str]] = {
     "trainer_overhead": (0.98, ">="),
     "async_stall": (0.05, "<="),
     "persist_interference": (1.10, "<="),
-    "restart_overhead": (2.0, "<="),
-    "ettr": (0.90, ">="),
+    "memory_tier_stall": (0.02, "<="),
+    "peer_restore_vs_disk": (0.3, "<="),
+    "restart_overhead": (1.5, "<="),
+    "fault_cost_s": (3.0, "<="),
+    "ettr": (0.85, ">="),
     "silent_node_loss": (15.0, "<="),
     "gcs_save_vs_pipe": (0.80, ">="),
 }
@@ -38,7 +41,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "async": ("async_stall", "persist_interference"),
     "overhead": ("trainer_overhead",),
     "gcs": ("gcs_save_vs_pipe",),
-    "elastic": ("restart_overhead", "ettr", "silent_node_loss"),
+    "memory": ("memory_tier_stall", "peer_restore_vs_disk"),
+    "elastic": ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss"),
 }
 """Measurement groups (``python -m bench --only``), in run order, and the metrics each yields."""
 
@@ -339,26 +343,55 @@ def gcs_metric(raw: dict[str, Any]) -> Metric:
     )
 
 
-def restart_metric(samples: list[dict[str, float]], cold_s: list[float], **extra: Any) -> Metric:
+_RESTART_KEYS = ("restart_to_first_step_s", "detect_s", "rdzv_spawn_import_pg_s", "build_s",
+                 "load_s", "up_to_load_s", "start_event_to_first_row_s", "first_step_s")  # fmt: skip
+
+
+def _restart_breakdown(samples: list[dict[str, float]]) -> dict[str, float]:
+    return {f"median_{k}": _r(_median([s[k] for s in samples if k in s])) for k in _RESTART_KEYS}
+
+
+def restart_metric(
+    samples: list[dict[str, float]],
+    cold_s: list[float],
+    *,
+    plain_launcher: list[dict[str, float]] | str | None = None,
+    **extra: Any,
+) -> Metric:
+    """restart_overhead: median (last row before a kill -> first row after, minus the load)
+    over the restarts of ``samples`` / the median cold ``import torch`` + gloo init.
+
+    ``plain_launcher``: the restarts of a job through the trainer itself when ``samples``
+    came through the warm launcher (its ratio against the same cold inits goes into
+    ``detail.plain_launcher``), or why there is none (a string).
+    """
     overhead = _median([s["overhead_s"] for s in samples])
     cold = _median(cold_s)
-    keys = ("restart_to_first_step_s", "detect_s", "rdzv_spawn_import_pg_s", "build_s", "load_s",
-            "up_to_load_s", "start_event_to_first_row_s", "first_step_s")  # fmt: skip
-    breakdown = {f"median_{k}": _r(_median([s[k] for s in samples if k in s])) for k in keys}
-    return Metric(
-        name="restart_overhead",
-        value=overhead / cold,
-        detail={
-            "ours_median_s": _r(overhead),
-            "cold_init_median_s": _r(cold),
-            "cold_init_samples_s": [_r(x) for x in cold_s],
-            **breakdown,
+    detail: dict[str, Any] = {
+        "ours_median_s": _r(overhead),
+        "cold_init_median_s": _r(cold),
+        "cold_init_samples_s": [_r(x) for x in cold_s],
+        **_restart_breakdown(samples),
+        "restarts": [
+            {k: _r(v) if isinstance(v, float) else v for k, v in s.items()} for s in samples
+        ],
+        **extra,
+    }
+    if isinstance(plain_launcher, str):
+        detail["plain_launcher"] = plain_launcher
+    elif plain_launcher is not None:
+        plain = _median([s["overhead_s"] for s in plain_launcher])
+        detail["plain_launcher_value"] = _r(plain / cold)
+        detail["plain_launcher"] = {
+            "value": _r(plain / cold),
+            "ours_median_s": _r(plain),
+            **_restart_breakdown(plain_launcher),
             "restarts": [
-                {k: _r(v) if isinstance(v, float) else v for k, v in s.items()} for s in samples
+                {k: _r(v) if isinstance(v, float) else v for k, v in s.items()}
+                for s in plain_launcher
             ],
-            **extra,
-        },
-    )
+        }
+    return Metric(name="restart_overhead", value=overhead / cold, detail=detail)
 
 
 def silent_node_metric(samples: list[dict[str, float]], **extra: Any) -> Metric:
@@ -384,3 +417,59 @@ def ettr_metric(runs: list[dict[str, Any]], **extra: Any) -> Metric:
         value=_median([r["goodput"] for r in runs]),
         detail={"runs": runs, **extra},
     )
+
+
+def _rounded(obj: Any) -> Any:
+    """Floats rounded for the JSON detail, through dicts and lists."""
+    if isinstance(obj, float):
+        return _r(obj)
+    if isinstance(obj, dict):
+        return {k: _rounded(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rounded(v) for v in obj]
+    return obj
+
+
+def fault_cost_metric(ours: dict[str, Any], base: dict[str, Any], **extra: Any) -> Metric:
+    """fault_cost_s: seconds lost per injected kill with the memory tier on (absolute),
+    the durable-only job's figure beside it.
+
+    ``ours`` / ``base``: :func:`bench.fault_cost.fault_cost` of the memory-tier job and of
+    the same job without the memory tier.
+    """
+    from bench.fault_cost import phase_medians
+
+    def side(cost: dict[str, Any]) -> dict[str, Any]:
+        keys = ("kills", "downtime_s", "rerun_time_s", "rerun_steps", "goodput",
+                "wall_time_s", "mean_s_between_faults", "step_time_median_s")  # fmt: skip
+        return {
+            "fault_cost_s": _r(cost["fault_cost_s"]),
+            **{k: _rounded(cost[k]) for k in keys},
+            "median_per_kill_s": _rounded(phase_medians(cost["per_kill"])),
+            "per_kill": _rounded(cost["per_kill"]),
+        }
+
+    value, baseline = ours["fault_cost_s"], base["fault_cost_s"]
+    return Metric(
+        name="fault_cost_s",
+        value=value,
+        detail={
+            "ours_fault_cost_s": _r(value),
+            "baseline_fault_cost_s": _r(baseline),
+            "vs_baseline": _r(value / baseline) if baseline else math.nan,
+            "value_is": "(downtime + re-run step time) / kills, trainer.report.summarize totals "
+            "of the memory-tier job; baseline: the same job, durable tier only",
+            "memory_tier": side(ours),
+            "durable_only": side(base),
+            **extra,
+        },
+    )
+
+
+def memory_metrics(raw: dict[str, dict[str, Any]]) -> list[Metric]:
+    """The results of :func:`bench.memory_tier.measure` (``{name: {value, target, ok,
+    detail}}``) as metrics; targets and directions come from :data:`TARGETS`."""
+    return [
+        Metric(name=name, value=float(r["value"]), detail=dict(r["detail"]))
+        for name, r in raw.items()
+    ]

@@ -6,10 +6,13 @@ Pure functions only (no ranks are spawned, no timing is asserted).
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import json
 import math
+import os
 import pkgutil
+import statistics
 import subprocess
 import sys
 
@@ -30,8 +33,11 @@ SPEC = [
     ("trainer_overhead", 0.98, ">="),
     ("async_stall", 0.05, "<="),
     ("persist_interference", 1.10, "<="),
-    ("restart_overhead", 2.0, "<="),
-    ("ettr", 0.90, ">="),
+    ("memory_tier_stall", 0.02, "<="),
+    ("peer_restore_vs_disk", 0.3, "<="),
+    ("restart_overhead", 1.5, "<="),
+    ("fault_cost_s", 3.0, "<="),
+    ("ettr", 0.85, ">="),
     ("silent_node_loss", 15.0, "<="),
     ("gcs_save_vs_pipe", 0.80, ">="),
 ]
@@ -57,11 +63,12 @@ def test_targets_table_is_the_issue_table_in_its_order():
 
 
 def test_groups_split_the_table_exactly_once():
-    assert list(m.GROUPS) == ["save", "load", "async", "overhead", "gcs", "elastic"]
+    assert list(m.GROUPS) == ["save", "load", "async", "overhead", "gcs", "memory", "elastic"]
     grouped = [name for names in m.GROUPS.values() for name in names]
     assert sorted(grouped) == sorted(m.TARGETS)
     assert m.GROUPS["load"] == ("load_vs_disk", "reshard_load")
-    assert m.GROUPS["elastic"] == ("restart_overhead", "ettr", "silent_node_loss")
+    assert m.GROUPS["memory"] == ("memory_tier_stall", "peer_restore_vs_disk")
+    assert m.GROUPS["elastic"] == ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss")
 
 
 @pytest.mark.parametrize(("name", "target", "direction"), SPEC)
@@ -88,7 +95,7 @@ def test_missing_is_nan_never_ok_and_says_why():
     assert math.isnan(metric.value) and not metric.ok
     assert metric.to_json() == {
         "value": metric.value,
-        "target": 0.90,
+        "target": 0.85,
         "ok": False,
         "detail": {"status": "full mode only"},
     }
@@ -129,7 +136,7 @@ def test_only_option_default_and_error(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--only" in err and "'reshard'" in err
-    assert "save, load, async, overhead, gcs, elastic" in err
+    assert "save, load, async, overhead, gcs, memory, elastic" in err
 
 
 def test_why_missing():
@@ -207,3 +214,302 @@ def test_load_metric_is_our_rate_over_dd_rate():
 def test_leaves_walks_nested_state_in_order():
     state = {"model": {"a": 1, "b": [2, {"c": 3}]}, "step": 4}
     assert _leaves(state) == [("model.a", 1), ("model.b[0]", 2), ("model.b[1].c", 3), ("step", 4)]
+
+
+# -- the memory group and the kill jobs (fault_cost_s, ettr, restart_overhead) ------------
+
+
+def test_help_says_which_metrics_are_full_mode_only_and_which_launcher_runs():
+    from bench.__main__ import FULL_ONLY
+
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, timeout=60
+    )
+    text = " ".join(result.stdout.split())
+    start = text.index("--quick", text.index("options:"))
+    quick = text[start : text.index("--only GROUP", start)]
+    for name in FULL_ONLY:
+        assert name in quick
+    assert "(full mode only)" in quick
+    assert "memory_tier_stall" not in quick  # the memory group runs in quick mode too
+    assert "-m warmstart -m trainer" in text
+
+
+def test_full_only_is_what_quick_mode_skips(tmp_path):
+    from bench.__main__ import FULL, FULL_ONLY, _elastic, _silent
+
+    skipped = _elastic(str(tmp_path), QUICK) + _silent(str(tmp_path), QUICK)
+    assert tuple(x.name for x in skipped) == FULL_ONLY
+    for metric in skipped:
+        assert math.isnan(metric.value)
+        assert metric.detail["status"].startswith("full mode only")
+    assert list(tmp_path.iterdir()) == []
+    assert FULL.elastic_jobs and FULL.silent_runs > 0
+
+
+def test_memory_group_uses_the_memory_tier_modes_of_ours():
+    from bench import memory_tier
+    from bench.__main__ import FULL
+
+    assert QUICK.memory is memory_tier.QUICK
+    assert FULL.memory is memory_tier.FULL
+    assert set(m.GROUPS["memory"]) <= set(memory_tier.TARGETS)
+
+
+def test_memory_metrics_take_target_and_direction_from_our_table():
+    raw = {
+        "memory_tier_stall": {"value": 0.015, "target": 99.0, "ok": False, "detail": {"k": 5}},
+        "peer_restore_vs_disk": {"value": 0.45, "target": 99.0, "ok": True, "detail": {}},
+    }
+    stall, restore = m.memory_metrics(raw)
+    assert (stall.name, stall.value, stall.target, stall.ok) == (
+        "memory_tier_stall",
+        0.015,
+        0.02,
+        True,
+    )
+    assert stall.detail == {"k": 5}
+    assert (restore.target, restore.ok) == (0.3, False)
+    with pytest.raises(KeyError):
+        m.memory_metrics({"memory_stall": {"value": 0.0, "detail": {}}})
+
+
+def test_launch_module_wraps_the_trainer_in_the_warm_launcher():
+    from bench.elastic_runs import launch_module
+
+    assert launch_module(["--config", "x"], warm=False) == ("trainer", ["--config", "x"])
+    assert launch_module(["--config", "x"], warm=True) == (
+        "warmstart",
+        ["-m", "trainer", "--config", "x"],
+    )
+
+
+def test_warm_available_follows_the_module(tmp_path, monkeypatch):
+    from bench import elastic_runs
+
+    (tmp_path / "bench_fake_launcher.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    monkeypatch.setattr(elastic_runs, "WARM_MODULE", "bench_fake_launcher")
+    assert elastic_runs.warm_available()
+    monkeypatch.setattr(elastic_runs, "WARM_MODULE", "bench_no_such_launcher_here")
+    assert not elastic_runs.warm_available()
+
+
+class _FakeJob:
+    """Stands in for testing.local_cluster.ElasticJob: records what elastic_run asks for."""
+
+    made: list[_FakeJob] = []
+
+    def __init__(self, workdir, trainer_args, module="trainer", max_restarts=3, env=None):
+        self.workdir, self.trainer_args, self.module = workdir, trainer_args, module
+        self.max_restarts, self.env = max_restarts, env or {}
+        self.agent_env: list[dict] = []
+        self.agents: list = []
+        self.closed = False
+        _FakeJob.made.append(self)
+
+    def add_agent(self, env=None):
+        self.agent_env.append(env or {})
+        os.makedirs(env["CKPT_MEMORY_DIR"], exist_ok=True)  # as a worker would
+
+    def wait_agents(self, timeout_s):
+        return {"agent0": 0, "agent1": 0}
+
+    def metrics(self):
+        return [{"step": 1}]
+
+    def all_events(self):
+        return [{"event": "start"}]
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_elastic_run_launches_warm_or_plain_with_the_memory_tier_per_node(
+    tmp_path, monkeypatch, warm
+):
+    import testing.local_cluster
+    from bench.elastic_runs import elastic_run, fault_spec
+
+    _FakeJob.made.clear()
+    monkeypatch.setattr(testing.local_cluster, "ElasticJob", _FakeJob)
+    out = elastic_run(str(tmp_path), 50, [12, 30], 10, 60, warm=warm, memory_every=1)
+    (job,) = _FakeJob.made
+    assert job.closed
+    assert out["launcher"] == ("warmstart" if warm else "plain")
+    assert out["metrics"] == [{"step": 1}] and out["events"] == [{"event": "start"}]
+    if warm:
+        assert job.module == "warmstart" and job.trainer_args[:2] == ["-m", "trainer"]
+    else:
+        assert job.module == "trainer" and job.trainer_args[0] == "--config"
+    args = job.trainer_args
+    assert args[args.index("--max-steps") + 1] == "50"
+    assert args[args.index("--ckpt-every") + 1] == "10"
+    assert "checkpoint.memory_every=1" in args and "checkpoint.async_save=true" in args
+    assert job.max_restarts == 2
+    # Always agent 0's worker: its agent keeps the highest restart count, so every
+    # attempt's kill fires once.
+    assert "TRAINER_FAULTS" not in job.env
+    assert [e["TRAINER_FAULTS"] for e in job.agent_env] == [fault_spec([12, 30]), ""]
+    assert fault_spec([12, 30]) == "kill:step=12:attempt=0;kill:step=30:attempt=1"
+    dirs = [e["CKPT_MEMORY_DIR"] for e in job.agent_env]
+    assert len(set(dirs)) == 2  # each agent a node of its own
+    assert not any(os.path.exists(d) for d in dirs)  # removed after the job
+
+    _FakeJob.made.clear()
+    elastic_run(str(tmp_path), 50, [12], 10, 60)
+    assert not any("memory_every" in a for a in _FakeJob.made[0].trainer_args)
+
+
+def test_kill_plan_spreads_the_kills_over_the_durable_interval():
+    from bench.__main__ import KILL_PLAN
+
+    plan = KILL_PLAN
+    kills = list(plan.kill_steps)
+    assert kills == sorted(kills) and kills[-1] < plan.max_steps
+    # A kill fires before its step: the durable-only job re-runs (step - 1) % N steps.
+    reruns = [(k - 1) % plan.durable_every for k in kills]
+    assert len(set(reruns)) == len(reruns) and 0 not in reruns
+    assert statistics.mean(reruns) == plan.durable_every / 2
+    assert plan.memory_every == 1
+    assert plan.settings()["kill_steps"] == kills
+
+
+T0 = datetime.datetime(2026, 11, 23, 12, 0, 0).timestamp()
+
+
+def _row(step: int, t: float, restart: int, step_time: float = 0.5) -> dict:
+    return {"step": step, "time": T0 + t, "step_time_s": step_time, "restart_count": restart,
+            "world_size": 2, "loss": 1.0}  # fmt: skip
+
+
+def _trainer_line(t: float, text: str) -> str:
+    stamp = datetime.datetime.fromtimestamp(T0 + t).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+    return f"{stamp} [rank 0] INFO trainer: {text}"
+
+
+def _torch_line(t: float, text: str) -> str:
+    stamp = datetime.datetime.fromtimestamp(T0 + t).strftime("%m%d %H:%M:%S.%f")
+    return f"E{stamp} 4242 torch/distributed/elastic/multiprocessing/api.py:1 {text}"
+
+
+def _two_kills() -> tuple[list[dict], list[dict], list[str]]:
+    """Rows of a run killed after step 6 (durable checkpoint at 4: steps 5, 6 re-run) and
+    after step 9 (memory snapshot of 9: nothing re-run); logs only for the first kill."""
+    rows = [_row(s, s, 0) for s in range(1, 7)]  # steps 1-6 end at t=1..6
+    rows += [_row(s, 20 + s - 5, 1) for s in range(5, 10)]  # resumed at 4: 5-9, t=20..24
+    rows += [_row(s, 30 + s - 10, 2, 0.25) for s in range(10, 13)]  # resumed at 9: t=30..32
+    events = [
+        {"event": "fault", "time": T0 + 6.001, "step": 7, "rank": 1},
+        {"event": "resume", "time": T0 + 19.0, "step": 4, "duration_s": 2.0},
+        {"event": "checkpoint_loaded", "time": T0 + 18.9, "step": 4, "duration_s": 1.5},
+        {"event": "start", "time": T0 + 19.1, "step": 4},
+        {"event": "resume", "time": T0 + 29.5, "step": 9, "duration_s": 0.5, "tier": "memory"},
+    ]
+    logs = [
+        "\n".join([
+            _torch_line(7.0, "failed (exitcode: -9) local_rank: 0 (pid: 1) of binary: python"),
+            _trainer_line(12.0, "rank 0/2: process group ready (backend=gloo, device=cpu)"),
+            _trainer_line(15.0, "rank 0: looking for a committed checkpoint under /x"),
+        ])
+    ]  # fmt: skip
+    return rows, events, logs
+
+
+def test_attempt_starts_are_the_report_attempts():
+    from bench.elastic_runs import attempt_starts
+    from trainer.report import split_attempts
+
+    rows, _, _ = _two_kills()
+    assert attempt_starts(rows) == [6, 11]
+    assert [a.rows for a in split_attempts(rows, 0.0)] == [6, 5, 3]
+    from bench.elastic_runs import restarts
+
+    rows, events, logs = _two_kills()
+    first, second = restarts(rows, events, logs)
+    assert (first["attempt"], first["killed_after_step"], first["rerun_from_step"]) == (1, 6, 5)
+    assert first["overhead_s"] == pytest.approx(14.0 - 1.5)  # minus checkpoint_loaded
+    assert first["detect_s"] == pytest.approx(1.0, abs=1e-3)
+    assert (second["attempt"], second["load_s"]) == (2, 0.0)
+    # A resume that re-runs steps without a restart count (an in-process restart) is one too.
+    same = [_row(1, 1, 0), _row(2, 2, 0), _row(2, 9, 0), _row(3, 10, 0)]
+    assert attempt_starts(same) == [2]
+
+
+def test_fault_cost_is_downtime_plus_rerun_per_kill():
+    from bench.fault_cost import fault_cost, phase_medians
+    from trainer.report import summarize
+
+    rows, events, logs = _two_kills()
+    cost = fault_cost(rows, events, logs, kills=2)
+    first, second = cost["per_kill"]
+    # Kill 1: last row t=6, next attempt's first step starts at 20 - 0.5 = 19.5.
+    assert first["downtime_s"] == pytest.approx(13.5)
+    assert (first["rerun_steps"], first["rerun_s"]) == (2, 1.0)  # steps 5, 6 of attempt 0
+    assert first["lost_s"] == pytest.approx(14.5)
+    assert (first["killed_after_step"], first["resumed_from_step"]) == (6, 4)
+    assert first["tier"] == "durable"
+    assert first["load_s"] == 2.0  # the resume event (tier choice + read + load)
+    assert first["detect_s"] == pytest.approx(1.0, abs=1e-3)
+    assert first["rdzv_spawn_import_pg_s"] == pytest.approx(5.0, abs=1e-3)
+    assert first["build_s"] == pytest.approx(3.0, abs=1e-3)
+    assert first["other_s"] == pytest.approx(13.5 - 9.0 - 2.0, abs=1e-3)
+    assert first["restart_s"] == pytest.approx(11.5)
+    # Kill 2: last row t=24, first step after starts at 30 - 0.25; memory tier, no re-run.
+    assert second["downtime_s"] == pytest.approx(5.75)
+    assert (second["rerun_steps"], second["rerun_s"], second["tier"]) == (0, 0.0, "memory")
+    assert second["resumed_from_step"] == 9
+    assert "detect_s" not in second  # no log marks for it
+    s = summarize(rows, events)
+    assert cost["fault_cost_s"] == pytest.approx((s.downtime_s + s.rerun_time_s) / 2)
+    assert cost["fault_cost_s"] == pytest.approx((14.5 + 5.75) / 2)
+    assert cost["goodput"] == s.goodput
+    assert cost["mean_s_between_faults"] == pytest.approx(s.wall_time_s / 3)
+    med = phase_medians(cost["per_kill"])
+    assert med["rerun_s"] == 0.5 and med["detect_s"] == pytest.approx(1.0, abs=1e-3)
+    assert med["lost_s"] == pytest.approx((14.5 + 5.75) / 2)
+
+
+def test_fault_cost_refuses_a_run_whose_restarts_are_not_the_kills():
+    from bench.fault_cost import fault_cost
+
+    rows, events, logs = _two_kills()
+    with pytest.raises(ValueError, match="3 kills injected but 2 restarts"):
+        fault_cost(rows, events, logs, kills=3)
+    no_kill = fault_cost(rows[:6], events, logs)
+    assert no_kill["kills"] == 0 and math.isnan(no_kill["fault_cost_s"])
+
+
+def test_fault_cost_metric_has_both_tiers():
+    from bench.fault_cost import fault_cost
+
+    rows, events, logs = _two_kills()
+    ours = fault_cost(rows, events, logs, kills=2)
+    base = {**ours, "fault_cost_s": 20.25, "per_kill": ours["per_kill"][:1]}
+    metric = m.fault_cost_metric(ours, base, launcher="plain")
+    assert metric.name == "fault_cost_s"
+    assert metric.value == pytest.approx(10.125)
+    assert not metric.ok  # > 3 s
+    d = metric.detail
+    assert d["baseline_fault_cost_s"] == 20.25 and d["vs_baseline"] == 0.5
+    assert d["launcher"] == "plain"
+    assert len(d["memory_tier"]["per_kill"]) == 2 and len(d["durable_only"]["per_kill"]) == 1
+    assert d["memory_tier"]["median_per_kill_s"]["lost_s"] == pytest.approx(10.125)
+    json.dumps(d)  # JSON-able
+    assert m.fault_cost_metric({**ours, "fault_cost_s": 2.9}, base).ok
+
+
+def test_restart_metric_reports_the_plain_launcher_beside_the_warm_one():
+    warm = [{"overhead_s": 2.0, "load_s": 0.1}, {"overhead_s": 4.0, "load_s": 0.1}]
+    plain = [{"overhead_s": 8.0, "detect_s": 0.1}, {"overhead_s": 6.0, "detect_s": 0.3}]
+    metric = m.restart_metric(warm, [2.0, 2.0, 4.0], plain_launcher=plain, launcher="warmstart")
+    assert metric.value == pytest.approx(3.0 / 2.0)
+    assert metric.ok  # 1.5 is on the target
+    assert metric.detail["launcher"] == "warmstart"
+    assert metric.detail["plain_launcher_value"] == 3.5
+    assert metric.detail["plain_launcher"]["median_detect_s"] == 0.2
+    failed = m.restart_metric(warm, [2.0], plain_launcher="failed: boom")
+    assert failed.detail["plain_launcher"] == "failed: boom"
+    assert "plain_launcher" not in m.restart_metric(warm, [2.0]).detail

@@ -1,0 +1,169 @@
+"""``fault_cost_s`` and ``ettr``: what a worker kill costs, with and without the memory tier.
+
+One 2-agent torchrun job (:func:`bench.elastic_runs.elastic_run`) of the tiny GPT with
+the memory tier on (a snapshot every ``memory_every`` steps, each agent a node of its
+own) and async durable checkpoints every ``durable_every`` steps, a worker SIGKILLed at
+each of ``kill_steps`` (one per attempt, always agent 0's worker, whichever rank it holds:
+see :func:`bench.elastic_runs.fault_spec`); the baseline is the same
+job with the durable tier only. From each job's ``metrics.jsonl``, events and agent
+logs (:func:`fault_cost`, pure):
+
+- per kill: ``downtime_s`` (the last row before the kill -> the start of the first step
+  after the resume, as :func:`trainer.report.summarize` counts it) + ``rerun_s`` (the
+  step times of the rows the kill threw away: steps run again after the resume) =
+  ``lost_s``; the downtime split into ``detect_s`` (-> torchrun's "failed (exitcode"),
+  ``rdzv_spawn_import_pg_s`` (-> rank 0's process group is up), ``build_s`` (-> rank 0
+  looks for a checkpoint), ``load_s`` (the manager's ``resume`` event: tier choice,
+  assembly or read, load) and ``other_s`` (the rest: bookkeeping up to the first step);
+- ``fault_cost_s`` = (``downtime_s`` + ``rerun_time_s``) / kills, the totals of
+  :func:`trainer.report.summarize`; ``goodput`` from the same summary is ``ettr``.
+
+The kills are spaced for a fault about every ``FAULT_EVERY_S`` seconds of training with
+the memory tier on: the tiny GPT's steps measured here (2 agents, async durable saves
+every 20 steps) took 0.18 s (rows 0.18-0.20 s apart) without the memory tier and 0.24 s
+(rows 0.27-0.30 s apart) with a snapshot every step, so ~105 steps apart.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from bench.elastic_runs import attempt_starts, elastic_run, log_marks
+
+FAULT_EVERY_S = 30.0
+"""Target spacing of the kills, in seconds of training with the memory tier on."""
+
+PHASES = ("detect_s", "rdzv_spawn_import_pg_s", "build_s", "load_s", "other_s", "rerun_s")
+"""Where the time of one kill goes (``lost_s`` is their sum when the log marks were found)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KillPlan:
+    """The jobs of ``fault_cost_s``: the same steps, checkpoints and kills for both tiers."""
+
+    max_steps: int = 400
+    kill_steps: tuple[int, ...] = (106, 211, 316)
+    """A kill fires before the step: the last rows are 105, 210 and 315, so the durable-only
+    baseline (checkpoints at 100, 200, 300) re-runs 5, 10 and 15 steps (mean N/2)."""
+    durable_every: int = 20
+    memory_every: int = 1
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "max_steps": self.max_steps,
+            "kill_steps": list(self.kill_steps),
+            "durable_every_steps": self.durable_every,
+            "memory_every_steps": self.memory_every,
+            "checkpoint": "async durable saves",
+            "agents": 2,
+            "kills": "SIGKILL of agent 0's worker (any rank) once per attempt (TRAINER_FAULTS)",
+        }
+
+
+def fault_cost_run(
+    work: str, plan: KillPlan, timeout_s: float, *, memory: bool, warm: bool
+) -> dict[str, Any]:
+    """One job of ``plan`` (memory tier on or off); :func:`elastic_run`'s result plus
+    ``cost`` (:func:`fault_cost`) and ``tiers``."""
+    out = elastic_run(
+        work,
+        plan.max_steps,
+        list(plan.kill_steps),
+        plan.durable_every,
+        timeout_s,
+        warm=warm,
+        memory_every=plan.memory_every if memory else 0,
+    )
+    out["cost"] = fault_cost(out["metrics"], out["events"], out["logs"], kills=len(plan.kill_steps))
+    out["tiers"] = "memory + durable" if memory else "durable only"
+    return out
+
+
+def _in(events: list[dict], name: str, lo: float, hi: float) -> dict | None:
+    return next((e for e in events if e.get("event") == name and lo < float(e["time"]) < hi), None)
+
+
+def fault_cost(
+    metrics: list[dict],
+    events: list[dict],
+    logs: list[str] | None = None,
+    *,
+    kills: int | None = None,
+) -> dict[str, Any]:
+    """Seconds lost per kill, the per-kill breakdown and the run's goodput (pure).
+
+    ``kills``: how many were injected; a run with another number of attempt boundaries
+    (an unplanned restart, a kill that did not fire) raises ValueError.
+    """
+    from trainer.report import rerun_mask, summarize
+
+    summary = summarize(metrics, events)
+    starts = attempt_starts(metrics)
+    if kills is not None and len(starts) != kills:
+        raise ValueError(f"{kills} kills injected but {len(starts)} restarts in the metrics")
+    mask = rerun_mask(metrics)
+    year = datetime.datetime.fromtimestamp(float(metrics[0]["time"])).year
+    marks = log_marks(logs or [], year)
+    per_kill: list[dict[str, Any]] = []
+    begin = 0
+    for i in starts:
+        prev, row = metrics[i - 1], metrics[i]
+        last, first = float(prev["time"]), float(row["time"])
+        rerun = [j for j in range(begin, i) if mask[j]]
+        rerun_s = sum(float(metrics[j]["step_time_s"]) for j in rerun)
+        downtime = max(0.0, first - float(row["step_time_s"]) - last)
+        resume = _in(events, "resume", last, first)
+        loaded = _in(events, "checkpoint_loaded", last, first)
+        source = resume or loaded
+        load_s = float(source["duration_s"]) if source and "duration_s" in source else 0.0
+        item: dict[str, Any] = {
+            "attempt": int(row.get("restart_count", 0)),
+            "killed_after_step": int(prev["step"]),
+            "resumed_from_step": int(row["step"]) - 1,
+            "tier": (resume or {}).get("tier", "durable" if source else "none"),
+            "downtime_s": downtime,
+            "rerun_steps": len(rerun),
+            "rerun_s": rerun_s,
+            "lost_s": downtime + rerun_s,
+            "load_s": load_s,
+            "restart_s": downtime - load_s,
+        }
+        gap = [(t, k) for t, k in marks if last <= t <= first]
+        failed = next((t for t, k in gap if k == "failed"), None)
+        pg = next((t for t, k in gap if k == "pg_ready"), None)
+        built = next((t for t, k in gap if k == "built"), None)
+        if failed is not None and pg is not None and built is not None:
+            item["detect_s"] = failed - last
+            item["rdzv_spawn_import_pg_s"] = pg - failed
+            item["build_s"] = built - pg
+            item["other_s"] = downtime - (built - last) - load_s
+        per_kill.append(item)
+        begin = i
+    n = len(starts)
+    return {
+        "kills": n,
+        "fault_cost_s": (summary.downtime_s + summary.rerun_time_s) / n if n else math.nan,
+        "downtime_s": summary.downtime_s,
+        "rerun_time_s": summary.rerun_time_s,
+        "rerun_steps": summary.rerun_steps,
+        "goodput": summary.goodput,
+        "wall_time_s": summary.wall_time_s,
+        "productive_time_s": summary.productive_time_s,
+        "mean_s_between_faults": summary.wall_time_s / (n + 1),
+        "step_time_median_s": statistics.median(float(r["step_time_s"]) for r in metrics),
+        "per_kill": per_kill,
+    }
+
+
+def phase_medians(per_kill: list[dict[str, Any]]) -> dict[str, float]:
+    """Median of each of :data:`PHASES` and of ``lost_s`` over the kills that have it."""
+    out = {}
+    for key in (*PHASES, "lost_s"):
+        values = [float(k[key]) for k in per_kill if key in k]
+        if values:
+            out[key] = statistics.median(values)
+    return out
