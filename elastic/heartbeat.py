@@ -48,6 +48,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from elastic.process import leave_from_monitor
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 0.5
@@ -563,13 +565,7 @@ class PeerHeartbeat:
         if not self.exit_process:
             self._stop.set()
             return
-        for handler in logging.getLogger().handlers:
-            with contextlib.suppress(Exception):
-                handler.flush()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(self.exit_code)
+        leave_from_monitor(self.exit_code)
 
     def _call_on_silent(self, verdict: SilentVerdict) -> None:
         try:

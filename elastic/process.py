@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -22,4 +23,20 @@ def exit_now(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    os._exit(code)
+
+
+def leave_from_monitor(code: int) -> None:
+    """Exit with ``code`` now, from a monitor thread (watchdog, peer failure detector).
+
+    Best effort only: every logging handler and the standard streams are flushed, each
+    failure ignored; no ``logging.shutdown`` (it would close handlers the stuck main
+    thread may still hold), no interpreter teardown.
+    """
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     os._exit(code)

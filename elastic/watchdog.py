@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from elastic.identity import RunIdentity
+from elastic.process import leave_from_monitor
 
 logger = logging.getLogger(__name__)
 
@@ -228,12 +229,7 @@ class Watchdog:
             callback.daemon = True
             callback.start()
             callback.join(ON_STALL_LIMIT_S)
-        for handler in logging.getLogger().handlers:
-            with contextlib.suppress(Exception):
-                handler.flush()
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        os._exit(self.exit_code)
+        leave_from_monitor(self.exit_code)
 
     def _call_on_stall(self, info: StallInfo) -> None:
         try:
