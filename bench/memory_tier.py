@@ -28,6 +28,11 @@ Two metrics, each against its baseline measured in the same run, printed as JSON
   (barrier -> resume -> barrier). detail also has the restore with both nodes intact (a
   killed worker: every shard is on its node), the warm disk restore and the memory
   restore's phases; every restore is checked against the saved state (sha256).
+  What bounds the peer restore, measured in the same processes right after each timed
+  peer restore (:func:`transfer_baseline`): one gloo send/recv of the shipped bytes into
+  a buffer touched before (the loopback) and into a new one (what a restarted process
+  pays), first-touch of a new buffer alone, one copy and one crc32c of those bytes;
+  next to them the bytes the receiving rank got and how long its load waited for them.
 """
 
 from __future__ import annotations
@@ -234,7 +239,11 @@ def restore_save(
     return {"digest": _digest(model, optim), "bytes": sum(_local_bytes(model, optim))}
 
 
-def restore_sample(rank: int, world: int, root: str, memory: str, width: int, tier: str) -> dict:
+def restore_sample(
+    rank: int, world: int, root: str, memory: str, width: int, tier: str, baseline: bool = False
+) -> dict:
+    """One timed resume (after an untimed one) in a fresh pair of processes; with
+    ``baseline``, then :func:`transfer_baseline` of the bytes this resume shipped."""
     import torch.distributed as dist
 
     import ckpt
@@ -267,8 +276,74 @@ def restore_sample(rank: int, world: int, root: str, memory: str, width: int, ti
         "cache_drop": method,
         "phases": choice[-1].get("timings") if choice else None,
         "bytes_read": manager.last_resume.bytes_read,
+        "transfer": dict(manager._memory.last_restore) if manager._memory else None,
     }
     manager.close()
+    if baseline:
+        shipped = [0.0] * world
+        dist.all_gather_object(shipped, (out["transfer"] or {}).get("received_bytes", 0.0))
+        out["baseline"] = transfer_baseline(rank, shipped.index(max(shipped)), int(max(shipped)))
+    return out
+
+
+def transfer_baseline(rank: int, receiver: int, nbytes: int, reps: int = 3) -> dict:
+    """What moving ``nbytes`` from rank 0 to ``receiver`` costs here without the restore,
+    in the same processes right after it (collective; every rank calls it):
+
+    - ``gloo_warm_s``: one send/recv over a new gloo group into a buffer the receiver
+      touched before (the loopback's own speed);
+    - ``gloo_fresh_s``: the same into a newly allocated buffer (what a restarted process
+      pays: every page of its receive buffer is touched for the first time);
+    - ``first_touch_s``: writing a newly allocated buffer once, alone (page faults);
+    - ``copy_s``, ``crc32c_s``: one memory copy and one crc32c of ``nbytes`` (what the
+      loader does to each byte it uses).
+
+    Medians of ``reps``; 0 bytes (nothing shipped): empty.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from ckpt.checksum import crc32c_of
+    from ckpt.dist import new_checkpoint_group
+
+    group = new_checkpoint_group()
+    if nbytes <= 0 or receiver == 0:
+        return {}
+    times: dict[str, list[float]] = {"gloo_warm_s": [], "gloo_fresh_s": [], "first_touch_s": []}
+    sender_buf = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else None
+    warm = torch.ones(nbytes, dtype=torch.uint8) if rank == receiver else None
+
+    def transfer(buf: Any) -> float:
+        dist.barrier(group=group)
+        started = time.perf_counter()
+        if rank == 0:
+            dist.send(sender_buf, receiver, group=group)
+        elif rank == receiver:
+            dist.recv(buf, 0, group=group)
+        dist.barrier(group=group)
+        return time.perf_counter() - started
+
+    for _ in range(reps):
+        times["gloo_warm_s"].append(transfer(warm))
+        fresh = torch.empty(nbytes, dtype=torch.uint8) if rank == receiver else None
+        times["gloo_fresh_s"].append(transfer(fresh))
+        del fresh
+        dist.barrier(group=group)
+        started = time.perf_counter()
+        if rank == receiver:
+            torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+        times["first_touch_s"].append(time.perf_counter() - started)
+    if rank != receiver:
+        return {}
+    out = {k: statistics.median(v) for k, v in times.items()}
+    other = torch.empty(nbytes, dtype=torch.uint8)
+    other.copy_(warm)  # touched once, then timed
+    started = time.perf_counter()
+    other.copy_(warm)
+    out["copy_s"] = time.perf_counter() - started
+    started = time.perf_counter()
+    crc32c_of(memoryview(warm.numpy()))
+    out["crc32c_s"] = time.perf_counter() - started
     return out
 
 
@@ -315,6 +390,8 @@ def restore_rounds(work: str, memory: str, mode: Mode, gcs_root: str | None) -> 
     sides += ["gcs"] if gcs_root is not None else []
     times: dict[str, list[float]] = {s: [] for s in sides}
     phases: dict[str, list[Any]] = {s: [] for s in sides}
+    transfers: dict[str, list[Any]] = {"memory_peer": [], "memory_intact": []}
+    baselines: list[dict[str, float]] = []
     methods = set()
     for i in range(mode.restore_rounds):
         for side in sides[i % len(sides) :] + sides[: i % len(sides)]:
@@ -323,18 +400,23 @@ def restore_rounds(work: str, memory: str, mode: Mode, gcs_root: str | None) -> 
                 shutil.copytree(backup, _node(memory, 1))
             tier = "memory" if side.startswith("memory") else side
             where = gcs_root if side == "gcs" else root
-            got = run_on_ranks(
-                restore_sample, RANKS, where, memory, width, tier, timeout_s=mode.timeout_s
-            )
+            got = run_on_ranks(restore_sample, RANKS, where, memory, width, tier,
+                               side == "memory_peer", timeout_s=mode.timeout_s)  # fmt: skip
             assert all(g["digest"] == saved["digest"] for g in got), (
                 f"{side}: restored state differs"
             )
             times[side].append(got[0]["s"])
             phases[side].append(got[0]["phases"])
+            if side.startswith("memory"):
+                transfers[side].append([g["transfer"] for g in got])
+            for g in got:
+                if g.get("baseline"):
+                    baselines.append(g["baseline"])
             if got[0]["cache_drop"]:
                 methods.add(got[0]["cache_drop"])
     return {"times": times, "phases": phases, "bytes": saved["bytes"], "width": width,
-            "cache_drop": sorted(methods), "gcs": gcs_root}  # fmt: skip
+            "cache_drop": sorted(methods), "gcs": gcs_root, "transfers": transfers,
+            "baselines": baselines}  # fmt: skip
 
 
 def restore_metric(raw: dict, mode: Mode) -> dict:
@@ -354,6 +436,7 @@ def restore_metric(raw: dict, mode: Mode) -> dict:
         "memory_intact_phases_s": raw["phases"]["memory_intact"][-1],
         "cache_drop": raw["cache_drop"],
     }
+    detail.update(_transfer_detail(raw, med["memory_peer"]))
     if "gcs" in med:
         detail["gcs_emulator_median_s"] = round(med["gcs"], 4)
         detail["peer_vs_gcs_emulator"] = round(med["memory_peer"] / med["gcs"], 4)
@@ -361,6 +444,39 @@ def restore_metric(raw: dict, mode: Mode) -> dict:
     else:
         detail["gcs_emulator"] = raw.get("gcs_status", "not run")
     return _metric("peer_restore_vs_disk", med["memory_peer"] / med["disk_cold"], detail)
+
+
+def _transfer_detail(raw: dict, peer_s: float) -> dict:
+    """The peer restore's transfer against what this machine can move, same run: the
+    receiving rank's bytes and the time its loads waited for them, and the medians of
+    :func:`transfer_baseline` (GB/s = bytes / seconds)."""
+    samples = raw.get("transfers", {}).get("memory_peer") or []
+    per_sample = [max(ranks, key=lambda t: (t or {}).get("received_bytes", 0)) for ranks in samples]
+    per_sample = [t for t in per_sample if t and t.get("received_bytes")]
+    if not per_sample:
+        return {}
+    nbytes = statistics.median(t["received_bytes"] for t in per_sample)
+    wait = statistics.median(t.get("wait_s", 0.0) for t in per_sample)
+    out: dict[str, Any] = {
+        "peer_shipped_bytes": int(nbytes),
+        "peer_chunks": int(statistics.median(t.get("chunks", 0) for t in per_sample)),
+        "peer_load_waited_for_bytes_median_s": round(wait, 4),
+        "peer_effective_gbps": round(nbytes / peer_s / 1e9, 3),
+    }
+    base = raw.get("baselines") or []
+    if base:
+        for key in ("gloo_warm_s", "gloo_fresh_s", "first_touch_s", "copy_s", "crc32c_s"):
+            value = statistics.median(b[key] for b in base)
+            out[f"baseline_{key}"] = round(value, 4)
+            out[f"baseline_{key[:-2]}_gbps"] = round(nbytes / value / 1e9, 3)
+        out["bound"] = (
+            "the receiving rank's bytes: a restarted process receives into memory it never "
+            "touched (baseline_gloo_fresh vs baseline_gloo_warm, first_touch alone), then the "
+            "loader checks (crc32c) and copies each byte into the destination tensors, "
+            "overlapped with the arrival of later chunks; the sender's own load shares the "
+            "machine's cores"
+        )
+    return out
 
 
 @contextlib.contextmanager

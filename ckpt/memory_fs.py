@@ -7,8 +7,10 @@ files are what this rank can reach without copying them first:
 - a file on this node's tmpfs: a read-only ``mmap`` of it (a ranged read is a view of
   the page cache, no copy; the loader's checksum and its copy into the destination
   tensor read straight from it);
-- a file from another node: only the byte ranges this rank's load plan reads, as they
-  arrived over gloo (a read outside them fails, it never returns other bytes);
+- a file from another node: only the byte ranges this rank's load plan reads, arriving
+  over gloo in chunks (:class:`Arriving`); a read waits for the chunks it covers only,
+  so the loader checks and copies the first bytes while the rest are still on the wire
+  (a read outside the ranges fails, it never returns other bytes);
 - small files (manifest.json, COMPLETE, ``.metadata``): bytes.
 
 Ranged reads return ``memoryview`` objects (the loader takes any buffer); whole-file
@@ -21,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 import warnings
 from typing import Any, ClassVar
 
@@ -82,18 +85,79 @@ class MappedFile(_File):
                 pass
 
 
-class PiecesFile(_File):
-    """Some byte ranges of a file: ``[(start, buffer)]``; other ranges are not here."""
+class Arriving:
+    """One byte range ``[start, start + len(buf))`` of a file, received in chunks into
+    ``buf``: each chunk's pending receive (a ``torch.distributed`` work) is waited for
+    exactly once, when a read first covers it (gloo's receive must not be waited twice),
+    or by :meth:`settle`. A failed chunk fails every later read that covers it."""
 
-    def __init__(self, size: int, pieces: list[tuple[int, memoryview]]) -> None:
+    def __init__(self, start: int, buf: torch.Tensor, source: str) -> None:
+        self.start = start
+        self.buf = buf
+        self.view = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
+        self.source = source
+        self.chunks: list[list[Any]] = []
+        """``[first, end, work or None, error or None]`` per chunk (file offsets)."""
+        self.waited_s = 0.0
+        """Seconds reads spent waiting for chunks to arrive."""
+        self._lock = threading.Lock()
+
+    @property
+    def end(self) -> int:
+        return self.start + self.view.nbytes
+
+    def add(self, first: int, end: int, work: Any) -> None:
+        self.chunks.append([first, end, work, None])
+
+    def wait(self, start: int, end: int) -> None:
+        """Block until bytes ``[start, end)`` are here; raises if any of their chunks failed."""
+        with self._lock:
+            began = time.perf_counter()
+            for chunk in self.chunks:
+                if chunk[0] < end and start < chunk[1]:
+                    self._settle(chunk)
+            self.waited_s += time.perf_counter() - began
+            bad = [c for c in self.chunks if c[0] < end and start < c[1] and c[3]]
+        if bad:
+            first, last, _, error = bad[0]
+            raise OSError(f"bytes [{first}, {last}) from {self.source} did not arrive: {error}")
+
+    def settle(self) -> str | None:
+        """Wait for every chunk (before the buffer may go); the first error, if any."""
+        with self._lock:
+            for chunk in self.chunks:
+                self._settle(chunk)
+            return next((c[3] for c in self.chunks if c[3]), None)
+
+    @staticmethod
+    def _settle(chunk: list[Any]) -> None:
+        work = chunk[2]
+        if work is None:
+            return
+        chunk[2] = None
+        try:
+            work.wait()
+        except Exception as exc:  # a dead peer, a broken connection: the chunk is missing
+            chunk[3] = f"{type(exc).__name__}: {exc}"
+
+
+class PiecesFile(_File):
+    """Some byte ranges of a file, arriving (:class:`Arriving`); other ranges are not here."""
+
+    def __init__(self, size: int, pieces: list[Arriving]) -> None:
         self.size = size
-        self.pieces = sorted(pieces, key=lambda p: p[0])
+        self.pieces = sorted(pieces, key=lambda p: p.start)
 
     def read(self, start: int, end: int) -> memoryview:
-        for first, buf in self.pieces:
-            if first <= start and end <= first + len(buf):
-                return buf[start - first : end - first]
+        for piece in self.pieces:
+            if piece.start <= start and end <= piece.end:
+                piece.wait(start, end)
+                return piece.view[start - piece.start : end - piece.start]
         raise FileNotFoundError(f"bytes [{start}, {end}) were not shipped to this rank")
+
+    def close(self) -> None:
+        for piece in self.pieces:
+            piece.settle()
 
 
 class SnapshotFileSystem(AbstractFileSystem):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import io
 import os
@@ -47,9 +46,8 @@ from ckpt import checksum
 from ckpt.checksum import ChecksummingWriter, encode_crc32c
 from ckpt.dist import Collective
 from ckpt.dist import quiet_single_process as _quiet_single_process
-from ckpt.layout import shard_filename
 from ckpt.tensorblob import _NotPlain, _records
-from ckpt.writer import BlockSavePlanner, _own_storage, _zip_crc32_off
+from ckpt.writer import BlockSavePlanner, ShardWriter, _own_storage, _zip_crc32_off
 
 Chunk = list[Any]  # [offset, length, crc32c] of one item, as in the manifest
 
@@ -365,14 +363,11 @@ class _TemplateWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [
-            dataclasses.replace(plan, storage_data=shard_filename(i))
-            for i, plan in enumerate(plans)
-        ]
+    # Planning is the durable writer's, taken from it rather than written again: plans
+    # pass through unchanged and rank i writes shard_filename(i), the file names every
+    # reader of a checkpoint (durable or memory snapshot) expects.
+    prepare_local_plan = ShardWriter.prepare_local_plan
+    prepare_global_plan = ShardWriter.prepare_global_plan
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.filename = str(plan.storage_data)

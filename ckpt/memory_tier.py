@@ -131,6 +131,9 @@ class MemoryTier:
         self.last_phases: dict[str, float] = {}
         """Seconds of the last snapshot's parts: prepare, write, gather, commit (this rank)."""
         self.replan_count = 0
+        self.last_restore: dict[str, float] = {}
+        """This rank's transfer counts and waits of the last memory resume (see
+        :class:`ckpt.memory_restore.Restore`)."""
         self._layout: shard.ShardLayout | None = None
         self._slots: list[SlotInfo | None] | None = None
         self._orphans_removed = False

@@ -96,8 +96,14 @@ def _train(rank: int, world: int, root: str, memory, steps: int, every: int, mem
     return {"history": history, "replans": replans, "cursor": state["sampler"].cursor}
 
 
-def _resume(rank: int, world: int, root: str, memory, memory_every: int = 1):
+def _resume(
+    rank: int, world: int, root: str, memory, memory_every: int = 1, chunk_bytes: int | None = None
+):
     os.environ["CKPT_MEMORY_DIR"] = _node_dir(memory, rank)
+    if chunk_bytes is not None:  # many small messages: the chunked transfer's edges
+        from ckpt import memory_restore
+
+        memory_restore.CHUNK_BYTES = chunk_bytes
     events: list[tuple[str, int, dict]] = []
     state = _build(seed=7)  # other weights: the resume must overwrite them
     manager = ckpt.CheckpointManager(
@@ -117,6 +123,7 @@ def _resume(rank: int, world: int, root: str, memory, memory_every: int = 1):
         "last_lr": state["sched"].get_last_lr(),
         "events": events,
         "old_world": info.old_world_size if info else None,
+        "transfer": dict(manager._memory.last_restore),
     }
     manager.close()
     return out
@@ -142,6 +149,14 @@ def _slot_of(node_dir: str, holder: int, step: int) -> str:
     raise AssertionError(f"no committed slot of step {step} for holder {holder} under {node_dir}")
 
 
+def _flip_byte(path: str, offset: int, mask: int = 0x01) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 def test_resume_takes_the_memory_snapshot_newer_than_the_durable_checkpoint(tmp_path):
     root, memory = str(tmp_path / "ckpt"), str(tmp_path / "node")
     saved = run_ok(_train, 2, root, memory, 7, 4, 1)
@@ -165,11 +180,7 @@ def test_a_corrupted_memory_snapshot_is_rejected_and_the_durable_tier_is_used(tm
     root, memory = str(tmp_path / "ckpt"), str(tmp_path / "node")
     saved = run_ok(_train, 2, root, memory, 6, 4, 2)  # memory 4 and 6, durable 4
     shard = os.path.join(_slot_of(memory, 1, 6), "rank_00001.distcp")
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    _flip_byte(shard, os.path.getsize(shard) // 2)
     got = run_ok(_resume, 2, root, memory)
     for r in got:
         assert (r["step"], r["tier"]) == (4, "durable")
@@ -213,11 +224,7 @@ def test_a_corrupted_copy_is_replaced_by_the_replica_on_the_other_node(tmp_path)
     nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
     saved = run_ok(_train, 2, root, nodes, 4, 0, 1)
     own = os.path.join(_slot_of(nodes[1], 1, 4), "rank_00001.distcp")
-    with open(own, "r+b") as f:  # rank 1's own copy rots; node 0 holds a good replica
-        f.seek(os.path.getsize(own) // 3)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x80]))
+    _flip_byte(own, os.path.getsize(own) // 3, 0x80)  # rank 1's own copy rots; node 0's is good
     got = run_ok(_resume, 2, root, nodes)
     for r in got:
         assert (r["step"], r["tier"]) == (4, "memory")
@@ -225,6 +232,114 @@ def test_a_corrupted_copy_is_replaced_by_the_replica_on_the_other_node(tmp_path)
     assert not [e for e in got[0]["events"] if e[0] == "fallback"]
     choice = _event(got[0]["events"], "tier_choice")
     assert "rank_00001.distcp" in choice["reason"] and "assembled again" in choice["reason"]
+
+
+def test_a_lost_node_at_the_same_world_size_receives_its_shard_in_chunks(tmp_path):
+    root = str(tmp_path / "ckpt")
+    nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    saved = run_ok(_train, 2, root, nodes, 5, 0, 1)
+    import shutil
+
+    shutil.rmtree(nodes[1])  # node 1 comes back empty: rank 1's shard is only on node 0
+    got = run_ok(_resume, 2, root, nodes, 1, 200)
+    for r in got:
+        assert (r["step"], r["tier"], r["old_world"]) == (5, "memory", 2)
+        assert r["cursor"] == 5 * GLOBAL_BATCH
+    _assert_state(got[0]["full"], saved[0]["history"][5])
+    sent, received = got[0]["transfer"], got[1]["transfer"]
+    assert received["received_bytes"] > 1000 and received["chunks"] > 5, received
+    assert sent["sent_bytes"] == received["received_bytes"] and sent["received_bytes"] == 0
+    assert not [e for e in got[0]["events"] if e[0] == "fallback"]
+
+
+def test_a_flipped_byte_in_a_chunk_received_from_the_peer_is_rejected(tmp_path):
+    from ckpt.reader import load_metadata
+
+    root = str(tmp_path / "ckpt")
+    nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    saved = run_ok(_train, 2, root, nodes, 6, 4, 2)  # memory 4 and 6, durable 4
+    replica_dir = _slot_of(nodes[0], 0, 6)  # node 0 holds rank 1's replica of step 6
+    with open(os.path.join(replica_dir, ".metadata"), "rb") as f:
+        storage = load_metadata(f.read()).storage_data
+    # Rank 1's own shard of a weight: at the same world size only rank 1 reads it, so
+    # these bytes travel to it over gloo; with 200-byte chunks the flip is past the first.
+    [info] = [
+        v
+        for k, v in storage.items()
+        if k.fqn == "model.0.weight" and v.relative_path == "rank_00001.distcp"
+    ]
+    flipped = info.offset + info.length // 2
+    assert flipped > 200
+    _flip_byte(os.path.join(replica_dir, "rank_00001.distcp"), flipped)
+    import shutil
+
+    shutil.rmtree(nodes[1])
+    got = run_ok(_resume, 2, root, nodes, 1, 200)
+    for r in got:
+        assert (r["step"], r["tier"]) == (4, "durable")
+    _assert_state(got[0]["full"], saved[0]["history"][4])
+    choice = _event(got[0]["events"], "tier_choice")
+    # The load caught it (item crc32c), the check of every copy then found no good one.
+    assert "a copy failed its check" in choice["reason"] and "crc32c" in choice["reason"]
+    fallback = _event(got[1]["events"], "fallback")
+    assert fallback["tier"] == "memory" and fallback["step"] == 6
+    assert "no copy of rank_00001.distcp verifies" in fallback["reason"]
+
+
+def test_a_chunk_is_waited_for_once_and_only_when_a_read_covers_it():
+    from ckpt import memory_fs
+
+    class Work:
+        def __init__(self, fail: bool = False) -> None:
+            self.waits, self.fail = 0, fail
+
+        def wait(self) -> bool:
+            self.waits += 1
+            if self.fail:
+                raise RuntimeError("connection reset by peer")
+            return True
+
+    buf = torch.arange(100, dtype=torch.uint8)
+    piece = memory_fs.Arriving(1000, buf, "rank_00001.distcp from rank 0")
+    works = [Work(), Work(fail=True), Work()]
+    for i, work in enumerate(works):
+        piece.add(1000 + 40 * i, min(1100, 1040 + 40 * i), work)
+    f = memory_fs.PiecesFile(2000, [piece])
+    assert bytes(f.read(1000, 1010)) == bytes(range(10))
+    assert [w.waits for w in works] == [1, 0, 0]
+    assert bytes(f.read(1000, 1040)) == bytes(range(40))
+    assert [w.waits for w in works] == [1, 0, 0]  # never twice (gloo would hang)
+    with pytest.raises(OSError, match=r"bytes \[1040, 1080\) from rank_00001.distcp from rank 0"):
+        f.read(1030, 1050)
+    with pytest.raises(OSError, match="connection reset"):
+        f.read(1045, 1046)  # the failure stays
+    assert bytes(f.read(1080, 1100)) == bytes(range(80, 100))
+    assert [w.waits for w in works] == [1, 1, 1]
+    with pytest.raises(FileNotFoundError):
+        f.read(990, 1010)  # not shipped: never other bytes
+    assert piece.settle() is not None
+    f.close()
+    assert [w.waits for w in works] == [1, 1, 1]
+
+
+def test_closing_a_file_waits_for_every_chunk_still_arriving():
+    from ckpt import memory_fs
+
+    class Work:
+        waits = 0
+
+        def wait(self) -> bool:
+            self.waits += 1
+            return True
+
+    piece = memory_fs.Arriving(0, torch.zeros(30, dtype=torch.uint8), "x")
+    works = [Work(), Work(), Work()]
+    for i, work in enumerate(works):
+        piece.add(10 * i, 10 * i + 10, work)
+    f = memory_fs.PiecesFile(30, [piece])
+    f.read(0, 5)
+    f.close()  # the buffer may go only when gloo no longer writes into it
+    assert [w.waits for w in works] == [1, 1, 1]
 
 
 def _durable_only(rank: int, world: int, root: str, memory: str, steps: int):
