@@ -19,9 +19,10 @@ logs (:func:`fault_cost`, pure):
   :func:`trainer.report.summarize`; ``goodput`` from the same summary is ``ettr``.
 
 The kills are spaced for a fault about every ``FAULT_EVERY_S`` seconds of training with
-the memory tier on: the tiny GPT's steps measured here (2 agents, async durable saves
-every 20 steps) took 0.18 s (rows 0.18-0.20 s apart) without the memory tier and 0.24 s
-(rows 0.27-0.30 s apart) with a snapshot every step, so ~105 steps apart.
+the memory tier on: the tiny GPT's steps measured in a full bench run on a quiet machine
+(2 agents, async durable saves every 20 steps) took a median 0.146 s with and without a
+snapshot every step (rows ~0.15 s apart), so ~205 steps apart. (An earlier plan of ~105
+steps, sized on a loaded machine, gave a fault every ~20 s.)
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ PHASES = ("detect_s", "rdzv_spawn_import_pg_s", "build_s", "load_s", "other_s", 
 class KillPlan:
     """The jobs of ``fault_cost_s``: the same steps, checkpoints and kills for both tiers."""
 
-    max_steps: int = 400
-    kill_steps: tuple[int, ...] = (106, 211, 316)
-    """A kill fires before the step: the last rows are 105, 210 and 315, so the durable-only
-    baseline (checkpoints at 100, 200, 300) re-runs 5, 10 and 15 steps (mean N/2)."""
+    max_steps: int = 820
+    kill_steps: tuple[int, ...] = (206, 411, 616)
+    """A kill fires before the step: the last rows are 205, 410 and 615, so the durable-only
+    baseline (checkpoints at 200, 400, 600) re-runs 5, 10 and 15 steps (mean N/2)."""
     durable_every: int = 20
     memory_every: int = 1
 
