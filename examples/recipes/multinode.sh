@@ -127,7 +127,7 @@ exec torchrun \
     --rdzv_conf="$RDZV_CONF" \
     --shutdown-timeout="$GRACE_S" \
     "${LOCAL_ADDR_ARGS[@]}" \
-    -m trainer \
+    -m warmstart -m trainer \
     --config "$CONFIG" \
     --ckpt-dir "$CKPT_DIR" \
     --run-dir "$RUN_DIR" \
