@@ -34,7 +34,7 @@ from bench.report import markdown_table, write_json
 from bench.rounds import load_rounds, reshard_load, reshard_save, save_rounds
 from bench.spawn import run_on_ranks
 from bench.train_loop import plain_loop, steady_rate, trainer_run
-from testing.gcs_emulator import create_bucket, emulator_env, start_emulator
+from testing.gcs_emulator import create_bucket, emulator_in_environ, start_emulator
 
 RANKS = 2
 RESHARD_FROM = 4
@@ -275,11 +275,7 @@ def _overhead(work: str, mode: Mode) -> list[m.Metric]:
 
 
 def _gcs(mode: Mode) -> list[m.Metric]:
-    emulator = start_emulator()
-    env = emulator_env(emulator.endpoint)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with emulator_in_environ(start_emulator()) as emulator:
         bucket = "bench"
         create_bucket(emulator.endpoint, bucket)
         raw = run_on_ranks(
@@ -290,13 +286,6 @@ def _gcs(mode: Mode) -> list[m.Metric]:
             mode.rounds,
             timeout_s=mode.timeout_s,
         )[0]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        emulator.stop()
     return [m.gcs_metric(raw)]
 
 

@@ -54,9 +54,12 @@ from typing import Any
 
 from bench import disk
 from bench.fsdp_state import build_trained, layer_width
+from bench.metrics import GROUPS
+from bench.metrics import TARGETS as ALL_TARGETS
 from bench.spawn import run_on_ranks
 
-TARGETS = {"memory_tier_stall": (0.02, "<="), "peer_restore_vs_disk": (0.3, "<=")}
+TARGETS = {name: ALL_TARGETS[name] for name in GROUPS["memory"]}
+"""This module's two metrics, with the targets of the one table (:data:`bench.metrics.TARGETS`)."""
 K_VALUES = (1, 2, 5)
 HEADLINE_K = 5
 RANKS = 2
@@ -483,26 +486,16 @@ def _transfer_detail(raw: dict, peer_s: float) -> dict:
 def _gcs_emulator() -> Iterator[tuple[str | None, str]]:
     """A gs:// root on fake-gcs-server (in memory) for a comparison, if the binary is here:
     ``(root or None, status)``; the environment variables are set for spawned ranks."""
-    from testing.gcs_emulator import create_bucket, emulator_env, start_emulator
+    from testing.gcs_emulator import create_bucket, emulator_in_environ, start_emulator
 
     try:
         emulator = start_emulator()
     except Exception as exc:  # no binary, no start: the comparison is skipped
         yield None, f"not run: {type(exc).__name__}: {exc}"
         return
-    env = emulator_env(emulator.endpoint)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with emulator_in_environ(emulator):
         create_bucket(emulator.endpoint, "bench")
         yield "gs://bench/memory-tier", "fake-gcs-server, in-memory backend"
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        emulator.stop()
 
 
 # -- driver ---------------------------------------------------------------------------------

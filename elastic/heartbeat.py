@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from elastic.process import leave_from_monitor
+from elastic.process import call_bounded, leave_from_monitor
 
 logger = logging.getLogger(__name__)
 
@@ -556,19 +556,11 @@ class PeerHeartbeat:
         if not logging.getLogger().handlers:
             print(message, file=sys.stderr, flush=True)
         if self.on_silent is not None:
-            callback = threading.Thread(
-                target=self._call_on_silent, args=(verdict,), name="elastic-heartbeat-on-silent"
-            )
-            callback.daemon = True
-            callback.start()
-            callback.join(ON_SILENT_LIMIT_S)
+            call_bounded(self.on_silent, verdict, name="elastic-heartbeat-on-silent",
+                         limit_s=ON_SILENT_LIMIT_S,
+                         what=f"rank {self.rank}: heartbeat on_silent callback")  # fmt: skip
         if not self.exit_process:
             self._stop.set()
             return
         leave_from_monitor(self.exit_code)
 
-    def _call_on_silent(self, verdict: SilentVerdict) -> None:
-        try:
-            self.on_silent(verdict)  # type: ignore[misc]
-        except Exception:
-            logger.exception("rank %d: heartbeat on_silent callback failed", self.rank)

@@ -6,6 +6,11 @@ import contextlib
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def exit_now(code: int) -> None:
@@ -40,3 +45,21 @@ def leave_from_monitor(code: int) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def call_bounded(
+    callback: Callable[[Any], None], arg: Any, *, name: str, limit_s: float, what: str
+) -> None:
+    """Run ``callback(arg)`` in a daemon thread of its own and wait ``limit_s`` at most: a
+    monitor about to leave the process gives the user's hook a bounded chance to run (a
+    hook that hangs or raises does not stop the exit; an exception is logged as ``what``)."""
+
+    def run() -> None:
+        try:
+            callback(arg)
+        except Exception:
+            logger.exception("%s failed", what)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(limit_s)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from elastic.identity import RunIdentity
-from elastic.process import leave_from_monitor
+from elastic.process import call_bounded, leave_from_monitor
 
 logger = logging.getLogger(__name__)
 
@@ -223,16 +223,8 @@ class Watchdog:
             self.exit_code,
         )
         if self.on_stall is not None:
-            callback = threading.Thread(
-                target=self._call_on_stall, args=(info,), name="elastic-watchdog-on-stall"
-            )
-            callback.daemon = True
-            callback.start()
-            callback.join(ON_STALL_LIMIT_S)
+            call_bounded(self.on_stall, info, name="elastic-watchdog-on-stall",
+                         limit_s=ON_STALL_LIMIT_S,
+                         what=f"rank {self.rank}: watchdog on_stall callback")  # fmt: skip
         leave_from_monitor(self.exit_code)
 
-    def _call_on_stall(self, info: StallInfo) -> None:
-        try:
-            self.on_stall(info)  # type: ignore[misc]
-        except Exception:
-            logger.exception("rank %d: watchdog on_stall callback failed", self.rank)

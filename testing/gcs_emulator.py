@@ -34,6 +34,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,25 @@ def emulator_env(endpoint: str) -> dict[str, str]:
     Merge them into the child's environment before it imports gcsfs.
     """
     return {EMULATOR_HOST_ENV: endpoint, ZB_HNS_ENV: "false"}
+
+
+@contextlib.contextmanager
+def emulator_in_environ(emulator: Emulator) -> Iterator[Emulator]:
+    """Point this process (and the processes it starts) at ``emulator`` for the block:
+    :func:`emulator_env` goes into ``os.environ``; afterwards the previous values come
+    back and the emulator is stopped (also when the block raises)."""
+    env = emulator_env(emulator.endpoint)
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield emulator
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        emulator.stop()
 
 
 class Emulator:

@@ -13,12 +13,11 @@ import pytest
 from ckpt import faults
 from testing.gcs_emulator import (
     EMULATOR_HOST_ENV,
-    ZB_HNS_ENV,
     Emulator,
     EmulatorNotFoundError,
     check_gcsfs_import_state,
     create_bucket,
-    emulator_env,
+    emulator_in_environ,
     gcs_filesystem,
     start_emulator,
 )
@@ -74,18 +73,9 @@ def gcs_emulator() -> Iterator[Emulator]:
                 pytrace=False,
             )
         pytest.skip(f"GCS emulator unavailable: {err}")
-    saved = {name: os.environ.get(name) for name in (EMULATOR_HOST_ENV, ZB_HNS_ENV)}
-    os.environ.update(emulator_env(emulator.endpoint))
-    try:
+    with emulator_in_environ(emulator):
         check_gcsfs_import_state()
         yield emulator
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        emulator.stop()
 
 
 @pytest.fixture

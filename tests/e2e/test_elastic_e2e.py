@@ -60,6 +60,25 @@ def assert_repeated_steps_saw_same_samples(rows: list[dict]) -> None:
     return repeated
 
 
+def run_two_agents(job: ElasticJob, timeout_s: float) -> None:
+    """Start two agents on ``job`` and require both to finish with exit code 0."""
+    job.add_agent()
+    job.add_agent()
+    assert job.wait_agents(timeout_s) == {"agent0": 0, "agent1": 0}, job.logs_tail()
+
+
+def assert_bitwise_like(reference: ElasticJob, job: ElasticJob) -> None:
+    """Every row's loss (repeated steps included) and the final parameters of ``job`` equal,
+    bit for bit, those of the uninterrupted ``reference``."""
+    ref_losses = {r["step"]: r["loss"] for r in reference.metrics()}
+    for r in job.metrics():
+        assert r["loss"] == ref_losses[r["step"]], r
+    ref, got = final_params(reference.run_dir), final_params(job.run_dir)
+    assert set(ref) == set(got)
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+
+
 @pytest.fixture
 def job_factory(tmp_path):
     jobs: list[ElasticJob] = []
@@ -76,15 +95,11 @@ def job_factory(tmp_path):
 
 def test_worker_killed_group_restarts_and_matches_uninterrupted_run(job_factory):
     reference = job_factory("reference")
-    reference.add_agent()
-    reference.add_agent()
-    assert reference.wait_agents(150) == {"agent0": 0, "agent1": 0}, reference.logs_tail()
+    run_two_agents(reference, 150)
 
     job = job_factory("killed", rdzv_id="killed")
     job.env["TRAINER_FAULTS"] = "kill:step=14:rank=1"
-    job.add_agent()
-    job.add_agent()
-    assert job.wait_agents(180) == {"agent0": 0, "agent1": 0}, job.logs_tail()
+    run_two_agents(job, 180)
     assert_completed(job)
     rows = job.metrics()
     assert max(r["restart_count"] for r in rows) == 1
@@ -93,13 +108,7 @@ def test_worker_killed_group_restarts_and_matches_uninterrupted_run(job_factory)
     assert (
         any(e["event"] == "fault" for e in job.events()) or rows
     )  # the fault event may die with the rank
-    ref, got = final_params(reference.run_dir), final_params(job.run_dir)
-    assert set(ref) == set(got)
-    for name in ref:
-        assert torch.equal(ref[name], got[name]), name
-    ref_losses = {r["step"]: r["loss"] for r in reference.metrics()}
-    for r in rows:
-        assert r["loss"] == ref_losses[r["step"]], r
+    assert_bitwise_like(reference, job)
 
 
 def test_agent_killed_survivors_finish_resharded(job_factory):
@@ -142,9 +151,7 @@ def test_hung_rank_is_ended_by_the_watchdog_and_the_job_finishes(job_factory):
     job = job_factory("hang")
     job.env["TRAINER_FAULTS"] = "hang:step=14:rank=1"
     job.trainer_args[job.trainer_args.index("run.watchdog_s=15")] = "run.watchdog_s=6"
-    job.add_agent()
-    job.add_agent()
-    assert job.wait_agents(200) == {"agent0": 0, "agent1": 0}, job.logs_tail()
+    run_two_agents(job, 200)
     assert_completed(job)
     assert max(r["restart_count"] for r in job.metrics()) == 1
     dumps = [f for f in os.listdir(job.run_dir) if f.startswith("stacks_")]
@@ -190,9 +197,7 @@ def test_sigterm_emergency_checkpoint_then_new_launch_resumes(job_factory):
 
     # A new launch of the same job: same checkpoints and run dir.
     again = job_factory("preempt-resume", rdzv_id="preempt2", data_dir=job.workdir)
-    again.add_agent()
-    again.add_agent()
-    assert again.wait_agents(180) == {"agent0": 0, "agent1": 0}, again.logs_tail()
+    run_two_agents(again, 180)
     resumed = [e for e in again.events() if e["event"] in ("checkpoint_loaded", "resume")]
     assert any(e.get("step") == last.step for e in resumed), resumed
     assert again.metrics()[-1]["step"] == STEPS

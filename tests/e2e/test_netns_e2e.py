@@ -92,6 +92,29 @@ class Cluster:
             name, local_addr=host.addr, wrap=host.wrap, env={"GLOO_SOCKET_IFNAME": IFNAME}
         )
 
+    def three_nodes_and_victim(self, *, rank0: bool) -> tuple[list[Agent], Agent]:
+        """Three nodes; once step 10 ran at world size 3, the node that will fail: the
+        one holding global rank 0 (``rank0=True``) or another one."""
+        agents = [self.add_node(f"node{i}") for i in range(3)]
+        wait_step_at_world(self.job, 10, 3)
+        holder = self.job.agent_of_rank0(3)
+        assert holder is not None, self.job.logs_tail()
+        return agents, holder if rank0 else next(a for a in agents if a is not holder)
+
+    def cut_until_world_2(self, victim: Agent) -> tuple[set[int], float, dict]:
+        """Cut ``victim``'s link; wait for the first row at world size 2. Returns the
+        victim's worker pids before the cut, the cut time and that row."""
+        stale_pids = set(self.job.worker_pids(victim))
+        cut_at = time.time()
+        self.net.cut(self.hosts[victim.name])
+        return stale_pids, cut_at, wait_world(self.job, 2, cut_at, 90)
+
+
+def wait_survivors(job: ElasticJob, agents: list[Agent], victim: Agent) -> None:
+    """Wait for every agent but ``victim`` to finish with exit code 0."""
+    survivors = [a for a in agents if a is not victim]
+    assert job.wait_agents(120, survivors) == {a.name: 0 for a in survivors}, job.logs_tail()
+
 
 # -- checks -----------------------------------------------------------------------------------
 
@@ -176,16 +199,12 @@ def test_a_frozen_node_is_left_behind(network, jobs, tmp_path, record_property):
     continue at world size 2."""
     cluster = Cluster(network, str(tmp_path / "frozen"), jobs, STEPS)
     job = cluster.job
-    agents = [cluster.add_node(f"node{i}") for i in range(3)]
-    wait_step_at_world(job, 10, 3)
-    rank0 = job.agent_of_rank0(3)
-    victim = next(a for a in agents if a is not rank0)
+    agents, victim = cluster.three_nodes_and_victim(rank0=False)
     frozen_at = time.time()
     job.freeze_node(victim)
     row = wait_world(job, 2, frozen_at, 90)
     recovery = report(record_property, "frozen_node", frozen_at, job, row)
-    survivors = [a for a in agents if a is not victim]
-    assert job.wait_agents(120, survivors) == {a.name: 0 for a in survivors}, job.logs_tail()
+    wait_survivors(job, agents, victim)
     rows = assert_finished_at(job, 2)
     assert rows[0]["world_size"] == 3
     # The survivors named the frozen node's rank and address; nobody else was blamed. (A
@@ -206,17 +225,10 @@ def test_a_cut_link_is_left_behind(network, jobs, tmp_path, record_property):
     leaves on its own. The job finishes at world size 2; the link stays cut."""
     cluster = Cluster(network, str(tmp_path / "cut"), jobs, STEPS)
     job = cluster.job
-    agents = [cluster.add_node(f"node{i}") for i in range(3)]
-    wait_step_at_world(job, 10, 3)
-    rank0 = job.agent_of_rank0(3)
-    victim = next(a for a in agents if a is not rank0)
-    stale_pids = set(job.worker_pids(victim))
-    cut_at = time.time()
-    network.cut(cluster.hosts[victim.name])
-    row = wait_world(job, 2, cut_at, 90)
+    agents, victim = cluster.three_nodes_and_victim(rank0=False)
+    stale_pids, cut_at, row = cluster.cut_until_world_2(victim)
     recovery = report(record_property, "cut_link", cut_at, job, row)
-    survivors = [a for a in agents if a is not victim]
-    assert job.wait_agents(120, survivors) == {a.name: 0 for a in survivors}, job.logs_tail()
+    wait_survivors(job, agents, victim)
     assert_finished_at(job, 2)
     found = verdicts(job, cut_at)
     # The cut node judged the store (hosted by rank 0) silent; the others judged it silent.
@@ -239,14 +251,8 @@ def test_a_restored_link_does_not_let_the_stale_node_corrupt_the_run(
     rank 0 must not commit anything after the cut; its agent may rejoin as a new member."""
     cluster = Cluster(network, str(tmp_path / "restored"), jobs, STEPS)
     job = cluster.job
-    agents = [cluster.add_node(f"node{i}") for i in range(3)]
-    wait_step_at_world(job, 10, 3)
-    victim = job.agent_of_rank0(3)
-    assert victim is not None
-    stale_pids = set(job.worker_pids(victim))
-    cut_at = time.time()
-    network.cut(cluster.hosts[victim.name])
-    row = wait_world(job, 2, cut_at, 90)
+    agents, victim = cluster.three_nodes_and_victim(rank0=True)
+    stale_pids, cut_at, row = cluster.cut_until_world_2(victim)
     recovery = report(record_property, "cut_store_host", cut_at, job, row)
     network.restore(cluster.hosts[victim.name])
     restored_at = time.time()
@@ -323,8 +329,7 @@ def test_frozen_agent_on_loopback_job_finishes_at_world_size_2(tmp_path, jobs, r
     job.freeze_node(victim)
     row = wait_world(job, 2, frozen_at, 90)
     recovery = report(record_property, "frozen_store_host", frozen_at, job, row)
-    survivors = [a for a in agents if a is not victim]
-    assert job.wait_agents(120, survivors) == {a.name: 0 for a in survivors}, job.logs_tail()
+    wait_survivors(job, agents, victim)
     assert_finished_at(job, 2)
     found = verdicts(job, frozen_at)
     assert found and all(e["store_silent"] and e["silent_ranks"] == [0] for e in found), found

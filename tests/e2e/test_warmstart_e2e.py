@@ -14,12 +14,12 @@ import re
 import time
 
 import pytest
-import torch
 from test_elastic_e2e import (
     TRAINER_ARGS,
+    assert_bitwise_like,
     assert_completed,
     assert_repeated_steps_saw_same_samples,
-    final_params,
+    run_two_agents,
 )
 
 from testing.local_cluster import ElasticJob
@@ -64,28 +64,18 @@ def _alive(pid: int) -> bool:
 
 def test_warm_restarts_match_an_uninterrupted_plain_run(jobs):
     reference = jobs("reference", warm=False)
-    reference.add_agent()
-    reference.add_agent()
-    assert reference.wait_agents(150) == {"agent0": 0, "agent1": 0}, reference.logs_tail()
+    run_two_agents(reference, 150)
 
     job = jobs("warm")
     # Two restarts: the second one is warm on both nodes whatever the zygotes' start took.
     job.env["TRAINER_FAULTS"] = "kill:step=9:rank=1:attempt=0;kill:step=17:rank=0:attempt=1"
-    job.add_agent()
-    job.add_agent()
-    assert job.wait_agents(200) == {"agent0": 0, "agent1": 0}, job.logs_tail()
+    run_two_agents(job, 200)
     assert_completed(job)
     rows = job.metrics()
     assert max(r["restart_count"] for r in rows) == 2
     for agent in job.agents:
         assert len(warm_children(job, agent)) >= 1, agent.log()[-3000:]
-    ref_losses = {r["step"]: r["loss"] for r in reference.metrics()}
-    for r in rows:
-        assert r["loss"] == ref_losses[r["step"]], r
-    ref, got = final_params(reference.run_dir), final_params(job.run_dir)
-    assert set(ref) == set(got)
-    for name in ref:
-        assert torch.equal(ref[name], got[name]), name
+    assert_bitwise_like(reference, job)
 
 
 def test_killed_warm_node_leaves_nothing_behind_and_survivors_reshard(jobs):
