@@ -48,8 +48,10 @@ from ckpt.errors import (
     SaveFailedError,
     StateMismatchError,
     StorageError,
+    StorageFullError,
     StoragePermanentError,
     StorageTimeoutError,
+    TooManySaveFailuresError,
 )
 from ckpt.faults import FaultRegistry, StorageFault
 from ckpt.manager import CheckpointManager, ResumeInfo
@@ -85,9 +87,11 @@ __all__ = [
     "Storage",
     "StorageError",
     "StorageFault",
+    "StorageFullError",
     "StorageOptions",
     "StoragePermanentError",
     "StorageTimeoutError",
+    "TooManySaveFailuresError",
     "VerifyReport",
     "apply_retention",
     "close",

@@ -226,6 +226,9 @@ def _save_staged(
                 no_dist=not coll.distributed,
             )
     except CheckpointException as exc:
+        # DCP reports a failed write to every rank only after every rank's write ended.
+        if coll.is_coordinator:
+            _remove_failed_save(storage, dirname)
         raise SaveFailedError(f"saving step {step} to {url} failed: {_summarize(exc)}") from None
     except CheckpointError:
         raise
@@ -271,7 +274,14 @@ def _save_staged(
         storage.sync_dir()
         return manifest.total_bytes
 
-    total_bytes = coll.on_coordinator(f"committing {url}", commit)
+    try:
+        total_bytes = coll.on_coordinator(f"committing {url}", commit)
+    except FencedError:
+        raise  # a newer attempt owns this root now: leave its directories alone
+    except CheckpointError:
+        if coll.is_coordinator:  # every rank's shard is written: nothing else writes here
+            _remove_failed_save(storage, dirname)
+        raise
     duration = time.monotonic() - started
     if coll.is_coordinator:
         logger.info(
@@ -347,6 +357,33 @@ def _check_fence(storage: Storage, attempt: Attempt, step: int, started_at: floa
         f"{storage.url()}: step {latest.step} was committed by attempt {newer.restart_count} "
         f"while this writer (attempt {attempt.restart_count}) was running; this process "
         f"belongs to an older attempt and must not commit step {step}"
+    )
+
+
+def _remove_failed_save(storage: Storage, dirname: str) -> None:
+    """Coordinator, once every rank gave up on a save: delete its directory, free its space.
+
+    A full disk must not stay full of a save that will never commit (the next save
+    of the step would clear it, but the next steps' saves need the space first). A
+    directory that is committed is never touched. Best effort: a failure here is
+    logged, and the save's own error is what the caller sees.
+    """
+    try:
+        files = storage.child(dirname).list_files()
+        if COMPLETE_NAME in files and inspect_dir(storage, dirname).committed:
+            return
+        storage.remove_tree(dirname)
+    except Exception as exc:  # never hide the save's own error behind the cleanup's
+        logger.warning(
+            "ckpt: could not remove %s of the failed save (%s: %s); the next save of this "
+            "step clears it",
+            storage.url(dirname), type(exc).__name__, exc,
+        )  # fmt: skip
+        return
+    logger.warning(
+        "ckpt: removed %s (%d files) of the failed save, nothing of it was committed",
+        storage.url(dirname),
+        len(files),
     )
 
 

@@ -27,6 +27,10 @@ class WriteVerificationError(StorageError):
     """A written object's size or crc32c differs from what was streamed to it (retried)."""
 
 
+class StorageFullError(StoragePermanentError):
+    """No space left on the device (or quota) a checkpoint is written to; not retried."""
+
+
 class ObjectNotFoundError(StoragePermanentError, FileNotFoundError):
     """The object or directory does not exist."""
 
@@ -69,6 +73,13 @@ class FencedError(CheckpointError):
 
 class SaveFailedError(CheckpointError):
     """A collective save failed on at least one rank; nothing was committed."""
+
+
+class TooManySaveFailuresError(SaveFailedError):
+    """Saves failed ``max_failures`` times in a row, or the final save failed: the job stops.
+
+    Training on without a durable checkpoint would lose every step since the last one.
+    """
 
 
 class CheckpointDirError(CheckpointError):

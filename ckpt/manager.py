@@ -40,17 +40,20 @@ from fsspec.implementations.local import LocalFileSystem
 from ckpt import async_save as _async
 from ckpt import dist as _dist
 from ckpt import memory_restore as _memory_restore
+from ckpt import root_check as _root_check
 from ckpt.app_state import AppState, shape_mismatch
 from ckpt.commit import save as _save
 from ckpt.discovery import find_latest_committed
 from ckpt.errors import (
     CheckpointDirError,
     CheckpointError,
+    CheckpointNotFoundError,
     CheckpointShapeError,
     CorruptCheckpointError,
     SaveFailedError,
     StateMismatchError,
     StorageError,
+    TooManySaveFailuresError,
 )
 from ckpt.faults import FaultRegistry, parse_storage_faults
 from ckpt.memory_tier import MemoryTier, SnapshotError
@@ -139,6 +142,11 @@ class CheckpointManager:
     to ``root`` as before. Host memory per rank: two snapshots of its shard plus two of
     the replica it holds. A failed snapshot emits ``memory_snapshot_failed``.
 
+    Failed saves: ``max_failures`` (default 3; 0: never stop) durable saves failing in a
+    row make :meth:`maybe_save` raise :class:`~ckpt.errors.TooManySaveFailuresError` on
+    every rank at the same step, and a failed ``final`` save raises it at once: a job
+    must not train on, or exit 0, without a checkpoint. A commit resets the count.
+
     Construct it on every rank at the same point: with a process group it creates the
     checkpoint gloo group, which is a collective.
     """
@@ -159,6 +167,7 @@ class CheckpointManager:
         process_group: Any = None,
         memory_every: int = 0,
         memory_dir: str | None = None,
+        max_failures: int = 3,
     ) -> None:
         if not isinstance(root, str) or not root:
             raise ValueError(f"root must be a non-empty str URL or path, got {root!r}")
@@ -167,6 +176,11 @@ class CheckpointManager:
         if isinstance(memory_every, bool) or not isinstance(memory_every, int) or memory_every < 0:
             raise ValueError(
                 f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}"
+            )
+        if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 0:
+            raise ValueError(
+                f"max_failures must be an int >= 0 (0: never stop for failed saves), "
+                f"got {max_failures!r}"
             )
         self.root = root
         self.app = AppState.classify(state)
@@ -206,6 +220,10 @@ class CheckpointManager:
         self.last_resume: ResumeInfo | None = None
         self._saves_in_flight: dict[int, dict[str, Any]] = {}
         self._shapes: dict[str, dict[str, list[int]]] | None = None
+        self.max_failures = max_failures
+        self.consecutive_failures = 0
+        """Durable saves that failed since the last commit (emergency saves included)."""
+        self._last_failure = ""
         self._closed = False
 
     # -- events --------------------------------------------------------------------------
@@ -228,33 +246,55 @@ class CheckpointManager:
     def check_root(self) -> None:
         """Fail early, on every rank together, when the root cannot be used (collective).
 
-        A local root is created; any root is listed (bounded by the storage timeouts),
-        so a bad scheme, a path under a file, missing permissions or a missing bucket
-        raise :class:`~ckpt.errors.CheckpointDirError` here instead of at the first save.
+        First the coordinator refuses a root that is, or is inside, a checkpoint
+        (nothing is created there; :func:`~ckpt.root_check.refuse_checkpoint_as_root`).
+        Then a local root is created, any root is listed (bounded by the storage
+        timeouts) and a probe object is written, read back and deleted (by every rank
+        for a local root, which may be a per-node disk; by the coordinator for an
+        object store), so a bad scheme, a path under a file, a read-only or full disk,
+        missing permissions or a missing bucket raise
+        :class:`~ckpt.errors.CheckpointDirError` here, before any training.
         """
+        coll = _dist.Collective(self._group)
+
+        def refuse() -> None:
+            try:
+                storage = Storage(self.root, self.storage_options)
+                entries = storage.list_dir()
+            except Exception:  # unreachable: reported by check() below, with its cause
+                return
+            _root_check.refuse_checkpoint_as_root(storage, entries)
+
+        coll.on_coordinator(f"checking that {self.root} is not a checkpoint", refuse)
 
         def check() -> None:
             try:
                 storage = Storage(self.root, self.storage_options)
-                if isinstance(storage.fs, LocalFileSystem):
+                local = isinstance(storage.fs, LocalFileSystem)
+                if local:
                     storage.fs.makedirs(storage.path(), exist_ok=True)
                 storage.list_dir()
                 storage.check_reachable()  # a missing bucket lists as empty
+                if local or coll.is_coordinator:
+                    _root_check.probe_writable(storage)
             except Exception as exc:  # any failure means the root is unusable
                 raise CheckpointDirError(
                     f"checkpoint root {self.root!r} is not reachable or writable: "
-                    f"{type(exc).__name__}: {exc} [fix the path/URL or credentials]"
+                    f"{type(exc).__name__}: {exc} [fix the path/URL, the permissions or "
+                    "credentials, or free space]"
                 ) from exc
 
-        _dist.Collective(self._group).on_every_rank(f"checking {self.root}", check)
+        coll.on_every_rank(f"checking {self.root}", check)
 
     # -- resume --------------------------------------------------------------------------
 
-    def resume(self) -> int | None:
+    def resume(self, *, must: bool = False) -> int | None:
         """Load the newest committed checkpoint that verifies; return its step, or None.
 
         Collective. Checks the root first (:meth:`check_root`). Returns None, touching
-        nothing, when the root holds no committed checkpoint. Models and optimizers
+        nothing, when the root holds no committed checkpoint (said at WARNING on rank 0:
+        a typo in the root must not pass for a fresh run); with ``must=True`` that is a
+        :class:`~ckpt.errors.CheckpointNotFoundError` instead. Models and optimizers
         reshard to this world size; a checkpoint that fails verification is reported
         (``fallback`` event) and the previous one is used. Raises
         :class:`~ckpt.errors.CheckpointShapeError` for a checkpoint of other shapes and
@@ -286,7 +326,7 @@ class CheckpointManager:
                 return resumed
         if latest is None:
             self._tier_choice("none", 0, latest, notes)
-            return None
+            return self._nothing_to_resume(must)
         step, saved_world, record, _, _ = latest
         problem = shape_mismatch(self.app.tensor_shapes(), record.get("shapes", {}))
         if problem is not None:
@@ -299,11 +339,23 @@ class CheckpointManager:
         want_rng = self.rng and saved_world == self.world_size
         result, template, rng_loaded = self._load(fresh, want_rng)
         if result is None:  # every committed checkpoint vanished between listing and loading
-            return None
+            return self._nothing_to_resume(must)
         loaded_step = self._finish_resume(result, template, rng_loaded, fresh, started, "durable")
         self.last_committed_step = loaded_step
         self._tier_choice("durable", loaded_step, latest, notes)
         return loaded_step
+
+    def _nothing_to_resume(self, must: bool) -> None:
+        """A resume that found no committed checkpoint: an error with ``must``, else said."""
+        if must:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {self.root} and resume is required "
+                "(must=True / --resume must); check the root, or resume only if one exists"
+            )
+        if self.rank == 0:
+            logger.warning(
+                "rank 0: no committed checkpoint under %s: starting from step 0", self.root
+            )
 
     def _resume_from_memory(self, latest: tuple[Any, ...] | None, notes: list[str]) -> int | None:
         """Resume from the newest usable memory snapshot (collective); None: use the durable tier."""
@@ -550,7 +602,15 @@ class CheckpointManager:
             self._snapshot(step, captured)
         if not (final or self.due(step)):
             return None
-        return self._save(step, blocking=final or not self.async_save, captured=captured)
+        url = self._save(step, blocking=final or not self.async_save, captured=captured)
+        self._stop_if_failing(step)
+        if final and url is None:
+            raise TooManySaveFailuresError(
+                f"rank {self.rank}: the final checkpoint at step {step} under {self.root} failed "
+                f"({self._last_failure}); the run did not end on a commit. Fix the storage and "
+                "run again: it resumes from the newest committed checkpoint"
+            )
+        return url
 
     def _snapshot(
         self, step: int, captured: tuple[dict[str, Any], dict[str, Any], list[str]]
@@ -603,9 +663,14 @@ class CheckpointManager:
 
         ``blocking=False`` returns once the state is staged (async). A step already
         committed by this manager is not saved again. A background save that failed is
-        reported (event) before this one starts.
+        reported (event) before this one starts. Raises
+        :class:`~ckpt.errors.TooManySaveFailuresError` (not for ``emergency``) once
+        ``max_failures`` saves failed in a row.
         """
-        return self._save(step, blocking=blocking, emergency=emergency)
+        url = self._save(step, blocking=blocking, emergency=emergency)
+        if not emergency:
+            self._stop_if_failing(step)
+        return url
 
     def _save(
         self,
@@ -618,6 +683,8 @@ class CheckpointManager:
         self._collect_previous()
         if self.last_committed_step == step:
             return self._url(step)
+        if not emergency and self._failing():
+            return None  # the caller stops the job: no new save to wait for
         started = time.monotonic()
         state, meta, fresh = captured if captured is not None else self._capture(step)
         extra = {"emergency": True} if emergency else {}
@@ -637,7 +704,7 @@ class CheckpointManager:
                 _saver=self._async,
             )
         except (SaveFailedError, StorageError) as exc:
-            self._report_failure(step, exc)
+            self._report_failure(step, exc, emergency=emergency)
             return None
         if background:
             assert isinstance(result, _async.PendingSave)
@@ -653,6 +720,7 @@ class CheckpointManager:
         assert isinstance(result, str)
         self.last_save_s = time.monotonic() - started
         self.last_committed_step = step
+        self.consecutive_failures = 0
         if self.rank == 0:
             logger.info("rank 0 step %d: checkpoint committed at %s", step, result)
         return result
@@ -682,12 +750,53 @@ class CheckpointManager:
             return
         self.last_save_s = pending.duration_s
         self.last_committed_step = pending.step
+        self.consecutive_failures = 0
 
-    def _report_failure(self, step: int, exc: CheckpointError) -> None:
-        logger.error(
-            "rank %d step %d: checkpoint save failed, training continues: %s", self.rank, step, exc
+    def _report_failure(self, step: int, exc: CheckpointError, *, emergency: bool = False) -> None:
+        """Count, log and report a failed save (every rank: saves fail on every rank at once)."""
+        self.consecutive_failures += 1
+        self._last_failure = f"step {step}: {exc}"
+        failures = f"{self.consecutive_failures} in a row"
+        if self.max_failures:
+            failures += f", the job stops at {self.max_failures}"
+        if emergency:
+            logger.error(
+                "rank %d: emergency checkpoint at step %d FAILED (%s): %s; a relaunch resumes "
+                "from the newest committed checkpoint",
+                self.rank, step, failures, exc,
+            )  # fmt: skip
+        else:
+            logger.error(
+                "rank %d step %d: checkpoint save failed (%s): %s",
+                self.rank, step, failures, exc,
+            )  # fmt: skip
+        self._emit(
+            "checkpoint_failed",
+            step,
+            error=str(exc),
+            rank=self.rank,
+            consecutive=self.consecutive_failures,
+            **({"emergency": True} if emergency else {}),
         )
-        self._emit("checkpoint_failed", step, error=str(exc), rank=self.rank)
+
+    def _failing(self) -> bool:
+        return bool(self.max_failures) and self.consecutive_failures >= self.max_failures
+
+    def _stop_if_failing(self, step: int) -> None:
+        """Raise on every rank together once ``max_failures`` saves in a row failed.
+
+        The count moves in lockstep on every rank: a save's outcome (and an async
+        save's, collected at the next save) is the same everywhere.
+        """
+        if not self._failing():
+            return
+        last = "none" if self.last_committed_step is None else f"step {self.last_committed_step}"
+        raise TooManySaveFailuresError(
+            f"rank {self.rank} step {step}: {self.consecutive_failures} checkpoint saves in a row "
+            f"failed under {self.root} (max_failures={self.max_failures}); the last one, "
+            f"{self._last_failure}. Stopping instead of training on without checkpoints "
+            f"(newest committed: {last}). Fix the storage and relaunch; it resumes from there"
+        )
 
     def wait(self, timeout: float | None = None) -> str | None:
         """Wait for a background save (all ranks); return the newest committed URL or None."""

@@ -26,6 +26,7 @@ import ctypes
 import errno
 import logging
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from ckpt.checksum import ChecksummingWriter, crc32c_of_chunks
 from ckpt.errors import (
     ObjectNotFoundError,
     StorageError,
+    StorageFullError,
     StoragePermanentError,
     StorageTimeoutError,
     WriteVerificationError,
@@ -159,6 +161,34 @@ def is_transient(exc: BaseException) -> bool:
     if module.startswith("aiohttp") or type(exc).__name__ in ("ServerDisconnectedError",):
         return True
     return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO
+
+
+_DISK_FULL_ERRNO = frozenset({errno.ENOSPC, errno.EDQUOT})
+_TORCH_WRITE_FAILED = "inline_container"
+"""``torch.save`` into a full file raises ``RuntimeError: [enforce fail at
+inline_container.cc:NNN] . unexpected pos ...``: the ENOSPC is only its context."""
+
+
+def is_disk_full(exc: BaseException, path: str | None = None) -> bool:
+    """Whether ``exc`` (or an error it was raised from) means the disk or quota is full.
+
+    ENOSPC/EDQUOT anywhere in the chain; or torch's zip writer failing
+    (``inline_container``) while the filesystem of ``path`` has less than one write
+    piece free, for when the OSError itself was swallowed.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNO:
+            return True
+        current = current.__cause__ or current.__context__
+    if path is None or not isinstance(exc, RuntimeError) or _TORCH_WRITE_FAILED not in str(exc):
+        return False
+    try:
+        return shutil.disk_usage(os.path.dirname(path) or ".").free < WRITE_PIECE_BYTES
+    except OSError:
+        return False
 
 
 def _run_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
@@ -321,21 +351,45 @@ class Storage:
         path = self.path(key)
 
         def write_once() -> FileRecord:
-            if self._has_dirs:
-                self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            with self.fs.open(path, "wb", **self._write_kwargs) as raw:
-                sink = _Truncating(raw) if getattr(_truncate, "active", False) else raw
-                if self._local:
-                    sink = _LocalSink(sink, raw, write_behind=self.options.fsync)
-                stream = ChecksummingWriter(sink)
-                produce(stream)
-                raw.flush()
-                if self._local and self.options.fsync:
-                    _fsync(raw)
+            try:
+                if self._has_dirs:
+                    self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+                with self.fs.open(path, "wb", **self._write_kwargs) as raw:
+                    sink = _Truncating(raw) if getattr(_truncate, "active", False) else raw
+                    if self._local:
+                        sink = _LocalSink(sink, raw, write_behind=self.options.fsync)
+                    stream = ChecksummingWriter(sink)
+                    produce(stream)
+                    raw.flush()
+                    if self._local and self.options.fsync:
+                        _fsync(raw)
+            except Exception as exc:
+                if self._local and is_disk_full(exc, path):
+                    raise self._disk_full(key, exc) from exc
+                raise
             self._check_written(key, stream.size, stream.crc32c)
             return FileRecord(key, stream.size, stream.crc32c)
 
         return self._call(f"write {self.url(key)}", phase, write_once)
+
+    def _disk_full(self, key: str, exc: BaseException) -> StorageFullError:
+        """The partial file removed (its space comes back), and the error that says why."""
+        path = self.path(key)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        where = self.root_path
+        try:
+            usage = shutil.disk_usage(where)
+            space = f"{usage.free} of {usage.total} bytes free there now"
+        except OSError:
+            space = "free space unknown"
+        return StorageFullError(
+            f"no space left on device under {self.root_url}: writing {self.url(key)} failed "
+            f"({type(exc).__name__}: {exc}; {space}). Free space on that filesystem, keep "
+            "fewer checkpoints, or use a root with room for at least two checkpoints."
+        )
 
     def write_bytes(self, key: str, data: bytes, *, phase: str) -> FileRecord:
         """Write a small object in one piece (JSON, markers)."""

@@ -247,6 +247,10 @@ def test_partial_leftovers_at_the_same_step_are_replaced(any_root):
         pytest.raises(ckpt.CheckpointError),
     ):
         ckpt.save(make_state(4), any_root, 4)
+    fs, path = fs_of(any_root)
+    assert not fs.exists(f"{path}/checkpoint_0000004")  # a failed save cleans up after itself
+    # A killed attempt cannot: its files stay until the next save of the step.
+    fs.makedirs(f"{path}/checkpoint_0000004", exist_ok=True)
     write(any_root, "checkpoint_0000004/rank_00007.distcp", b"stale shard of a dead attempt")
     ckpt.save(make_state(5), any_root, 4)
     info = ckpt.find_latest_committed(any_root)

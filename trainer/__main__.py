@@ -3,8 +3,10 @@
 ``python -m trainer report RUN_DIR ...`` summarizes a finished run instead (trainer/report.py).
 
 Exit codes: 0 done; 1 a configuration/environment error found after start (batch layout,
-checkpoint directory ``ckpt.CheckpointDirError``, checkpoint of another model
-``ckpt.CheckpointShapeError``, any other checkpoint library error); 2 a bad
+checkpoint directory ``ckpt.CheckpointDirError``: unreachable, not writable, a checkpoint
+itself; checkpoint of another model ``ckpt.CheckpointShapeError``; no checkpoint with
+``--resume must``; ``checkpoint.max_failures`` saves failed in a row or the final save
+failed ``ckpt.TooManySaveFailuresError``; any other checkpoint library error); 2 a bad
 command line or config (argparse style); 128+N stopped by signal N (SIGTERM: 143).
 """
 

@@ -1,7 +1,7 @@
 """Command line of ``python -m trainer`` (the contract in docs/design.md).
 
 Precedence: defaults < TOML file < ``--set`` overrides < dedicated flags
-(``--ckpt-dir``, ``--max-steps``, ``--ckpt-every``, ``--run-dir``, ``--fault``).
+(``--ckpt-dir``, ``--resume``, ``--max-steps``, ``--ckpt-every``, ``--run-dir``, ``--fault``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--ckpt-dir",
         metavar="URL",
         help="checkpoint root (path, file://, memory://, gs://); overrides checkpoint.dir; resume happens from here",
+    )
+    parser.add_argument(
+        "--resume",
+        choices=("true", "false", "must"),
+        help="true (default): resume from the newest committed checkpoint under the root if there "
+        "is one, else start from step 0 and say so; false: start from step 0; must: exit 1 when "
+        "the root holds no committed checkpoint (overrides checkpoint.resume). A root that is, or "
+        "is inside, a checkpoint directory is refused, and so is one the job cannot write (exit 1)",
     )
     parser.add_argument(
         "--max-steps",
@@ -75,6 +83,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     overrides = list(args.overrides)
     if args.ckpt_dir is not None:
         overrides.append(f"checkpoint.dir={args.ckpt_dir}")
+    if args.resume is not None:
+        overrides.append(f"checkpoint.resume={args.resume}")
     if args.max_steps is not None:
         overrides.append(f"run.max_steps={args.max_steps}")
     if args.ckpt_every is not None:

@@ -142,8 +142,14 @@ class CheckpointConfig:
     """Checkpoint root (local path, file://, memory://, gs://); empty disables checkpoints."""
     every: int = 50
     """Save every N optimizer steps (and at the last step); 0 saves only at the end."""
-    resume: bool = True
-    """Resume from the newest committed checkpoint under ``dir`` when there is one."""
+    resume: bool | str = True
+    """true: resume from the newest committed checkpoint under ``dir`` when there is one
+    (a WARNING says when there is none); false: start from step 0 (the root is still
+    checked); ``"must"``: resume, and fail (exit 1) when ``dir`` holds no committed
+    checkpoint."""
+    max_failures: int = 3
+    """Stop the job (exit 1) after this many checkpoint saves failed in a row; 0 never
+    stops. A failed final save always stops it."""
     async_save: bool = False
     """Return to training once the state is staged in host memory; upload and commit in
     the background (one save in flight; emergency and final saves are synchronous)."""
@@ -155,6 +161,10 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+        _require(self.resume in (True, False, "must"), "checkpoint.resume", self.resume,
+                 "must be true, false or \"must\"")  # fmt: skip
+        _require(self.max_failures >= 0, "checkpoint.max_failures", self.max_failures,
+                 "must be >= 0 (0: never stop)")  # fmt: skip
         _require(self.memory_every >= 0, "checkpoint.memory_every", self.memory_every,
                  "must be >= 0")  # fmt: skip
 
@@ -275,6 +285,13 @@ def _coerce(key: str, raw: object, annotation: str) -> object:
         if text is not None and text.lower() in ("false", "0", "no", "off"):
             return False
         raise ValueError(f"config {key}={raw!r}: must be a boolean (true/false)")
+    if annotation == "bool | str":  # checkpoint.resume: true, false or "must"
+        if text is not None and text.strip().lower() == "must":
+            return "must"
+        try:
+            return _coerce(key, raw, "bool")
+        except ValueError:
+            raise ValueError(f'config {key}={raw!r}: must be true, false or "must"') from None
     if annotation == "int":
         if isinstance(raw, bool) or not isinstance(raw, int | str):
             raise ValueError(f"config {key}={raw!r}: must be an integer")

@@ -213,6 +213,7 @@ def build_checkpoints(
         on_event=on_event,
         # Memory tier (0: off): snapshots in node memory every N steps, newer than `every`.
         memory_every=cfg.checkpoint.memory_every,
+        max_failures=cfg.checkpoint.max_failures,
     )
     return manager
 
@@ -220,15 +221,17 @@ def build_checkpoints(
 def resume(
     manager: CheckpointManager, progress: TrainProgress, cfg: TrainConfig, ctx: DistContext
 ) -> None:
-    """Resume from the newest committed checkpoint, or check the root is usable (collective)."""
+    """Resume from the newest committed checkpoint, or check the root is usable (collective).
+
+    With ``checkpoint.resume = "must"`` a root without a committed checkpoint is an
+    error; otherwise the manager says at WARNING that the run starts from step 0.
+    """
     if not cfg.checkpoint.resume:
         manager.check_root()
         return
     if ctx.is_main:
         logger.info("rank 0: looking for a committed checkpoint under %s", manager.root)
-    if manager.resume() is None:
-        if ctx.is_main:
-            logger.info("rank 0: no committed checkpoint found; starting from step 0")
+    if manager.resume(must=cfg.checkpoint.resume == "must") is None:
         return
     resumed = manager.last_resume
     assert resumed is not None
