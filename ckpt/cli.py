@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
-from ckpt.discovery import list_checkpoints, resolve
+from ckpt.discovery import PARTIAL, QUARANTINED, list_checkpoints, resolve
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.layout import DCP_METADATA_NAME
-from ckpt.reader import load_metadata
+from ckpt.quarantine import list_quarantined
+from ckpt.reader import ShardReader, load_metadata
 from ckpt.retention import RetentionPolicy, apply_retention
 from ckpt.storage import Storage
 from ckpt.verify import MODE_CHECKSUM, MODE_DEEP, MODE_FAST, verify_dir
@@ -35,37 +37,54 @@ def human_bytes(n: float) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    infos = list_checkpoints(Storage(args.url))
+    storage = Storage(args.url)
+    entries = storage.list_dir()
+    infos = list_checkpoints(storage, entries)
+    aside = list_quarantined(storage, entries)
     if args.json:
-        print(
-            json.dumps(
-                [
-                    {
-                        "step": i.step,
-                        "status": i.status,
-                        "url": i.url,
-                        "reason": i.reason,
-                        "bytes": i.manifest.total_bytes if i.manifest else None,
-                        "world_size": i.manifest.world_size if i.manifest else None,
-                        "created_at": i.manifest.created_at if i.manifest else None,
-                    }
-                    for i in infos
-                ],
-                indent=1,
-            )
-        )
+        rows = [
+            {
+                "step": i.step,
+                "status": i.status,
+                "url": i.url,
+                "reason": i.reason,
+                "bytes": i.manifest.total_bytes if i.manifest else None,
+                "world_size": i.manifest.world_size if i.manifest else None,
+                "created_at": i.manifest.created_at if i.manifest else None,
+            }
+            for i in infos
+        ]
+        rows += [
+            {
+                "step": q.step,
+                "status": QUARANTINED,
+                "url": q.url,
+                "reason": q.reason,
+                "path": q.path,
+                "quarantined_at": q.quarantined_at,
+            }
+            for q in aside
+        ]
+        print(json.dumps(rows, indent=1))
         return EXIT_OK
-    if not infos:
+    if not infos and not aside:
         print(f"no checkpoints under {args.url}")
         return EXIT_OK
-    print(f"{'STEP':>10}  {'STATUS':<9}  {'SIZE':>10}  {'WORLD':>5}  {'CREATED':<24}  NOTE")
+    print(f"{'STEP':>10}  {'STATUS':<11}  {'SIZE':>10}  {'WORLD':>5}  {'CREATED':<24}  NOTE")
     for i in infos:
         size = human_bytes(i.manifest.total_bytes) if i.manifest else "-"
         world = str(i.manifest.world_size) if i.manifest else "-"
         created = i.manifest.created_at[:23] if i.manifest else "-"
-        print(f"{i.step:>10}  {i.status:<9}  {size:>10}  {world:>5}  {created:<24}  {i.reason}")
+        print(f"{i.step:>10}  {i.status:<11}  {size:>10}  {world:>5}  {created:<24}  {i.reason}")
+    for q in aside:
+        print(
+            f"{q.step:>10}  {QUARANTINED:<11}  {'-':>10}  {'-':>5}  {q.quarantined_at[:23]:<24}  "
+            f"{q.dirname}: {q.reason}"
+        )
     committed = sum(i.committed for i in infos)
-    print(f"{committed} committed, {len(infos) - committed} partial, under {args.url}")
+    partial = sum(i.status == PARTIAL for i in infos)
+    quarantined = len(aside) + sum(i.status == QUARANTINED for i in infos)
+    print(f"{committed} committed, {partial} partial, {quarantined} quarantined, under {args.url}")
     return EXIT_OK
 
 
@@ -76,6 +95,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     mode = MODE_DEEP if args.deep else MODE_FAST if args.fast else MODE_CHECKSUM
     report = verify_dir(storage.child(info.dirname), info.manifest, mode=mode)
+    if report.ok:
+        # What a resume checks next: .metadata decodes with the safe loader (no code runs).
+        try:
+            ShardReader(storage.child(info.dirname), info.manifest).fetch_metadata()
+        except CheckpointError as exc:
+            report.problems.append((DCP_METADATA_NAME, f"not loadable: {exc}"))
     if not report.ok:
         print(f"FAIL  {info.url} (step {info.step}, {mode}):")
         for path, why in report.problems:
@@ -164,9 +189,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
-    plan = apply_retention(Storage(args.url), policy, dry_run=args.dry_run)
+    storage = Storage(args.url)
     verb = "would delete" if args.dry_run else "deleted"
+    if args.keep_last is None:
+        return _gc_quarantined(storage, args, verb)
+    _gc_quarantined(storage, args, verb)
+    policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
+    plan = apply_retention(storage, policy, dry_run=args.dry_run)
     for step in plan.keep:
         print(f"keep          step {step:>10}  ({plan.reasons.get(step, '')})")
     for step in plan.delete:
@@ -175,6 +204,32 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"{verb:<13} step {step:>10}  ({plan.reasons.get(step, '')})")
     print(
         f"{len(plan.keep)} kept, {len(plan.delete) + len(plan.delete_partial)} {verb}"
+        + (" (dry run: nothing was deleted)" if args.dry_run else "")
+    )
+    return EXIT_OK
+
+
+def _gc_quarantined(storage: Storage, args: argparse.Namespace, verb: str) -> int:
+    """Delete quarantined checkpoints (``--quarantined``), or say how many are kept."""
+    entries = storage.list_dir()
+    aside = [(q.dirname, q.step, q.reason) for q in list_quarantined(storage, entries)]
+    aside += [
+        (i.dirname, i.step, i.reason)
+        for i in list_checkpoints(storage, entries)
+        if i.status == QUARANTINED
+    ]
+    if not args.quarantined:
+        if aside:
+            print(
+                f"kept          {len(aside)} quarantined checkpoint(s) (--quarantined deletes them)"
+            )
+        return EXIT_OK
+    for dirname, step, reason in aside:
+        if not args.dry_run:
+            storage.remove_tree(dirname)
+        print(f"{verb:<13} step {step:>10}  (quarantined {dirname}: {reason})")
+    print(
+        f"{len(aside)} quarantined {verb}"
         + (" (dry run: nothing was deleted)" if args.dry_run else "")
     )
     return EXIT_OK
@@ -228,14 +283,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("gc", help="delete old checkpoints: keep the newest K and every N-th step")
+    p = sub.add_parser(
+        "gc",
+        help="delete old checkpoints: keep the newest K and every N-th step; "
+        "--quarantined deletes quarantined ones",
+    )
     p.add_argument("url")
     p.add_argument(
         "--keep-last",
         type=int,
-        required=True,
         metavar="K",
-        help="keep the newest K committed (>= 1)",
+        help="keep the newest K committed (>= 1); required unless --quarantined",
+    )
+    p.add_argument(
+        "--quarantined",
+        action="store_true",
+        help="delete the checkpoints resume set aside as corrupt (kept for forensics otherwise)",
     )
     p.add_argument(
         "--keep-every", type=int, metavar="N", help="also keep steps that are multiples of N"
@@ -248,12 +311,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "gc" and args.keep_last is None and not args.quarantined:
+        parser.error("gc needs --keep-last K, --quarantined, or both")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # `python -m ckpt ls ROOT | head`: the reader left; exit quietly, as ls would.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
     except CheckpointNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -40,8 +40,9 @@ from ckpt.discovery import find_latest_committed, inspect_dir
 from ckpt.dist import Collective
 from ckpt.dist import quiet_single_process as _quiet_single_process
 from ckpt.errors import CheckpointError, CheckpointExistsError, FencedError, SaveFailedError
-from ckpt.layout import COMPLETE_NAME, MANIFEST_NAME, checkpoint_dirname
+from ckpt.layout import COMPLETE_NAME, MANIFEST_NAME, QUARANTINE_MARKER_NAME, checkpoint_dirname
 from ckpt.manifest import Attempt, CompleteMarker, FileEntry, Manifest
+from ckpt.quarantine import finish_move as finish_quarantine_move
 from ckpt.retention import RetentionPolicy, apply_retention
 from ckpt.storage import Storage, StorageOptions
 from ckpt.writer import BlockSavePlanner, ShardWriter
@@ -314,6 +315,10 @@ def _save_staged(
 def _prepare(storage: Storage, dirname: str, attempt: Attempt, started_at: float) -> None:
     """Coordinator: refuse to overwrite a commit, fence, clear a dead attempt's leftovers."""
     existing = storage.child(dirname).list_files()
+    if QUARANTINE_MARKER_NAME in existing and COMPLETE_NAME not in existing:
+        # A quarantine interrupted before its move: finish it, never delete the forensics.
+        finish_quarantine_move(storage, dirname)
+        existing = {}
     if COMPLETE_NAME in existing:
         info = inspect_dir(storage, dirname)
         if info.committed:

@@ -3,7 +3,9 @@
 A directory counts as committed only if its COMPLETE marker parses, names the
 directory's step, and vouches for the exact bytes of its manifest.json (crc32c).
 Everything else is *partial*: invisible to resume and retention counting, shown
-as such by ``python -m ckpt ls``.
+as such by ``python -m ckpt ls``. A directory without COMPLETE but with a
+QUARANTINED record is *quarantined* (:mod:`ckpt.quarantine`, a move interrupted
+half-way): never resumed, never deleted by retention or a new save's clean-up.
 """
 
 from __future__ import annotations
@@ -12,14 +14,22 @@ import logging
 from dataclasses import dataclass
 
 from ckpt.errors import CorruptCheckpointError, ObjectNotFoundError
-from ckpt.layout import COMPLETE_NAME, MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname
+from ckpt.layout import (
+    COMPLETE_NAME,
+    MANIFEST_NAME,
+    QUARANTINE_MARKER_NAME,
+    checkpoint_dirname,
+    parse_checkpoint_dirname,
+)
 from ckpt.manifest import CompleteMarker, Manifest
+from ckpt.quarantine import read_record as read_quarantine_record
 from ckpt.storage import Storage
 
 logger = logging.getLogger(__name__)
 
 COMMITTED = "committed"
 PARTIAL = "partial"
+QUARANTINED = "quarantined"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +68,15 @@ def inspect_dir(storage: Storage, dirname: str) -> CheckpointInfo:
     try:
         raw_marker = storage.read_bytes(f"{dirname}/{COMPLETE_NAME}")
     except ObjectNotFoundError:
+        if storage.exists(f"{dirname}/{QUARANTINE_MARKER_NAME}"):
+            reason = read_quarantine_record(storage, dirname).get("reason", "no reason recorded")
+            return CheckpointInfo(
+                step=step,
+                url=url,
+                dirname=dirname,
+                status=QUARANTINED,
+                reason=f"quarantined (move to a .quarantined- name unfinished): {reason}",
+            )
         return partial("no COMPLETE marker (save interrupted or in progress)")
     try:
         marker = CompleteMarker.from_bytes(raw_marker, url=url)
@@ -82,13 +101,21 @@ def inspect_dir(storage: Storage, dirname: str) -> CheckpointInfo:
     )
 
 
-def list_checkpoints(root: str | Storage) -> list[CheckpointInfo]:
-    """Every checkpoint directory under ``root``, committed and partial, newest first."""
+def list_checkpoints(
+    root: str | Storage, entries: list[tuple[str, bool]] | None = None
+) -> list[CheckpointInfo]:
+    """Every checkpoint directory under ``root``, committed and partial, newest first.
+
+    ``entries``: the root's listing when the caller already has it (one listing per
+    operation).
+    """
     storage = as_storage(root)
+    if entries is None:
+        entries = storage.list_dir()
     dirs = sorted(
         (
             (step, name)
-            for name, _ in storage.list_dir()
+            for name, _ in entries
             if (step := parse_checkpoint_dirname(name)) is not None
         ),
         reverse=True,

@@ -44,6 +44,10 @@ class CorruptCheckpointError(CheckpointError):
         self.path = path
 
 
+class UncommittedCheckpointError(CorruptCheckpointError):
+    """A checkpoint listed as committed was no longer committed when read (pruned meanwhile)."""
+
+
 class CheckpointNotFoundError(CheckpointError):
     """No committed checkpoint exists where one was required."""
 

@@ -14,6 +14,8 @@ CHECKPOINT_PREFIX = "checkpoint_"
 STEP_DIGITS = 7
 MANIFEST_NAME = "manifest.json"
 COMPLETE_NAME = "COMPLETE"
+QUARANTINE_MARKER_NAME = "QUARANTINED"
+"""Written into a checkpoint set aside by resume (:mod:`ckpt.quarantine`), before COMPLETE goes."""
 DCP_METADATA_NAME = ".metadata"
 SHARD_SUFFIX = ".distcp"
 

@@ -82,6 +82,7 @@ EVENT_NAMES = {
     "ckpt_saved": "checkpoint_saved",
     "ckpt_loaded": "checkpoint_loaded",
     "ckpt_fallback": "fallback",
+    "ckpt_quarantined": "quarantine",
 }
 """How the library's low-level events are named for the run's event log."""
 

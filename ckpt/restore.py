@@ -37,9 +37,12 @@ from ckpt.errors import (
     CorruptCheckpointError,
     NoLoadableCheckpointError,
     StateMismatchError,
+    UncommittedCheckpointError,
 )
 from ckpt.layout import checkpoint_dirname
 from ckpt.manifest import Manifest
+from ckpt.quarantine import quarantine as quarantine_checkpoint
+from ckpt.quarantine import should_quarantine
 from ckpt.reader import SafeLoadPlanner, ShardReader
 from ckpt.storage import Storage, StorageOptions
 from ckpt.verify import verify_dir
@@ -79,13 +82,17 @@ def load(
     missing_ok: bool = False,
     on_event: EventSink | None = None,
     storage_options: StorageOptions | None = None,
+    quarantine: bool = True,
     _saver: _async.AsyncSaver | None = None,
 ) -> LoadResult | None:
     """Load ``state`` in place from the newest committed checkpoint under ``root``.
 
     Collective. With ``step``, only that checkpoint is tried (no fallback). With
     ``missing_ok``, returns None when ``root`` holds no committed checkpoint at all;
-    otherwise raises :class:`~ckpt.errors.CheckpointNotFoundError`.
+    otherwise raises :class:`~ckpt.errors.CheckpointNotFoundError`. With
+    ``quarantine`` (the default), a committed checkpoint that fails verification is
+    set aside by the coordinator before the fallback (:mod:`ckpt.quarantine`), so
+    its step can be committed again instead of failing every later save.
     """
     if not isinstance(root, str):
         raise TypeError(f"root must be a str URL, got {type(root).__name__}")
@@ -156,6 +163,8 @@ def load(
                         "reason": reason,
                     }
                 )
+            if quarantine and should_quarantine(exc):
+                _set_aside(storage, coll, skip, on_event)
             continue
         duration = time.monotonic() - started
         bytes_read = reader.bytes_read
@@ -199,10 +208,48 @@ def load(
     )
 
 
+def _set_aside(
+    storage: Storage, coll: Collective, skip: SkippedCheckpoint, on_event: EventSink | None
+) -> None:
+    """Quarantine a checkpoint every rank failed to load (the coordinator moves it)."""
+
+    def move() -> str:
+        try:
+            kept = quarantine_checkpoint(storage, skip.step, skip.reason, skip.path)
+        except CheckpointError as exc:  # the fallback goes on; the next resume tries again
+            logger.error("ckpt: could not quarantine %s: %s", skip.url, exc)
+            return ""
+        logger.warning(
+            "ckpt: quarantined %s (%s); its files are kept at %s, step %d can be saved again "
+            "(`python -m ckpt gc --quarantined` removes them)",
+            skip.url,
+            skip.reason,
+            kept.url,
+            skip.step,
+        )
+        return kept.url
+
+    kept_at = coll.on_coordinator(f"quarantining {skip.url}", move)
+    if kept_at and on_event is not None:
+        on_event(
+            {
+                "event": "ckpt_quarantined",
+                "step": skip.step,
+                "url": skip.url,
+                "kept_at": kept_at,
+                "path": skip.path,
+                "reason": skip.reason,
+            }
+        )
+
+
 def _verified_manifest(storage: Storage, dirname: str) -> Manifest:
     info: CheckpointInfo = inspect_dir(storage, dirname)
     if not info.committed or info.manifest is None:
-        raise CorruptCheckpointError(f"{info.url} is not committed: {info.reason}", url=info.url)
+        # Gone or changed since listing (pruned): skipped, but nothing to quarantine.
+        raise UncommittedCheckpointError(
+            f"{info.url} is not committed: {info.reason}", url=info.url
+        )
     verify_dir(storage.child(dirname), info.manifest).raise_if_bad()
     return info.manifest
 

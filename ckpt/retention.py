@@ -92,12 +92,15 @@ def apply_retention(
 
     Run by one process (the coordinator, or the ``gc`` CLI), never by every rank.
     """
-    from ckpt.discovery import as_storage, list_checkpoints
+    from ckpt.discovery import PARTIAL, as_storage, list_checkpoints
 
     storage = as_storage(root)
     infos = list_checkpoints(storage)
+    # Quarantined directories are neither: kept for forensics until `ckpt gc --quarantined`.
     plan = plan_retention(
-        [i.step for i in infos if i.committed], [i.step for i in infos if not i.committed], policy
+        [i.step for i in infos if i.committed],
+        [i.step for i in infos if i.status == PARTIAL],
+        policy,
     )
     if dry_run:
         return plan

@@ -534,6 +534,30 @@ class Storage:
                 "these credentials; create it, fix the URL, or check the account's permissions"
             ) from exc
 
+    def move_tree(self, src: str, dst: str) -> None:
+        """Move ``src`` and everything below it to ``dst`` (which must not exist).
+
+        A local root renames (atomic); an object store copies every object, then deletes
+        the source, so an interrupted move leaves the source whole (the caller makes that
+        safe) and possibly some copies at ``dst``, which a repeated move overwrites.
+        """
+        if self._local:
+            src_path, dst_path = self.path(src), self.path(dst)
+            self._call(
+                f"rename {self.url(src)} -> {self.url(dst)}",
+                "any",
+                lambda: os.rename(src_path, dst_path),
+            )
+            return
+        for name in sorted(self.list_files(src)):
+            source, target = self.path(f"{src}/{name}"), self.path(f"{dst}/{name}")
+            self._call(
+                f"copy {self.url(f'{src}/{name}')} -> {self.url(f'{dst}/{name}')}",
+                "any",
+                lambda s=source, t=target: self.fs.copy(s, t),
+            )
+        self.remove_tree(src)
+
     # -- deletes ----------------------------------------------------------------------
 
     def remove(self, key: str) -> None:

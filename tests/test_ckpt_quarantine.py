@@ -1,0 +1,219 @@
+"""Quarantine: a committed checkpoint that fails verification is set aside, never looped on.
+
+Before, a damaged newest checkpoint made resume fall back, re-run the steps and then
+fail every save of the same step (committed checkpoints are never overwritten): a
+crash loop. These tests pin the protocol of ckpt/quarantine.py on local, memory://
+and gs:// roots, its crash safety, and what ``python -m ckpt`` says about it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import fsspec
+import pytest
+import torch
+from test_ckpt_core import _corrupt_flip, blank_state, gcs_crc, make_state, read, write
+
+import ckpt
+from ckpt import cli
+from ckpt.discovery import QUARANTINED, list_checkpoints
+from ckpt.errors import (
+    CorruptCheckpointError,
+    StorageError,
+    UncommittedCheckpointError,
+)
+from ckpt.layout import COMPLETE_NAME, QUARANTINE_MARKER_NAME
+from ckpt.quarantine import list_quarantined, parse_quarantined_dirname, should_quarantine
+from ckpt.retention import RetentionPolicy, apply_retention
+from ckpt.storage import Storage
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["memory", "local", "gcs"])
+def root(request, tmp_path) -> str:
+    if request.param == "memory":
+        return f"memory://quarantine-{os.urandom(6).hex()}/run"
+    if request.param == "local":
+        return str(tmp_path / "ckpts")
+    return request.getfixturevalue("gcs_root")
+
+
+def _names(root: str) -> list[str]:
+    return sorted(name for name, _ in Storage(root).list_dir())
+
+
+def _files(root: str, dirname: str) -> dict[str, bytes]:
+    fs, path = fsspec.core.url_to_fs(root)
+    base = f"{path}/{dirname}"
+    return {name.removeprefix(base + "/"): fs.cat_file(name) for name in fs.find(base)}
+
+
+def test_corrupt_newest_is_quarantined_and_its_step_saved_again(root):
+    good = make_state(1)
+    ckpt.save(good, root, 1)
+    ckpt.save(make_state(2), root, 2)
+    before = _files(root, "checkpoint_0000002")
+    _corrupt_flip(root, "checkpoint_0000002/rank_00000.distcp")
+    damaged = read(root, "checkpoint_0000002/rank_00000.distcp")
+
+    events: list[dict] = []
+    loaded = blank_state()
+    result = ckpt.load(loaded, root, on_event=events.append)
+    assert result.step == 1 and torch.equal(loaded["model"]["w"], good["model"]["w"])
+    kinds = [e["event"] for e in events]
+    assert kinds.index("ckpt_fallback") < kinds.index("ckpt_quarantined")
+    event = next(e for e in events if e["event"] == "ckpt_quarantined")
+    assert event["step"] == 2 and event["path"] == "rank_00000.distcp"
+
+    names = _names(root)
+    assert "checkpoint_0000002" not in names
+    [aside] = [n for n in names if parse_quarantined_dirname(n) == 2]
+    assert event["kept_at"].endswith(aside)
+    kept = _files(root, aside)
+    # Every file is kept for forensics (the damaged shard as it was), plus the record.
+    assert kept["rank_00000.distcp"] == damaged
+    for name in set(before) - {COMPLETE_NAME, "rank_00000.distcp"}:
+        assert kept[name] == before[name], name
+    record = json.loads(kept[QUARANTINE_MARKER_NAME])
+    assert record["step"] == 2 and "rank_00000.distcp" in record["reason"]
+    assert json.loads(record["complete_marker"])["step"] == 2
+    assert COMPLETE_NAME not in kept  # never committed again under any name
+
+    [q] = list_quarantined(Storage(root))
+    assert q.step == 2 and q.path == "rank_00000.distcp"
+
+    # The step can be committed again: no CheckpointExistsError, no crash loop.
+    again = make_state(22)
+    ckpt.save(again, root, 2)
+    loaded = blank_state()
+    assert ckpt.load(loaded, root).step == 2
+    assert torch.equal(loaded["model"]["w"], again["model"]["w"])
+    assert aside in _names(root)
+
+
+def test_quarantine_can_be_turned_off(tmp_root):
+    ckpt.save(make_state(1), tmp_root, 1)
+    ckpt.save(make_state(2), tmp_root, 2)
+    _corrupt_flip(tmp_root, "checkpoint_0000002/rank_00000.distcp")
+    assert ckpt.load(blank_state(), tmp_root, quarantine=False).step == 1
+    assert ckpt.find_latest_committed(tmp_root).step == 2
+
+
+def test_interrupted_quarantine_is_never_resumed_nor_deleted(any_root):
+    """Killed after COMPLETE went but before the move: quarantined in place, kept, finished later."""
+    ckpt.save(make_state(1), any_root, 1)
+    ckpt.save(make_state(2), any_root, 2)
+    ckpt.save(make_state(3), any_root, 3)
+    write(
+        any_root, f"checkpoint_0000002/{QUARANTINE_MARKER_NAME}", b'{"reason": "r", "stamp": "1Z"}'
+    )
+    Storage(any_root).remove(f"checkpoint_0000002/{COMPLETE_NAME}")
+    shard = read(any_root, "checkpoint_0000002/rank_00000.distcp")
+
+    statuses = {i.step: i.status for i in list_checkpoints(any_root)}
+    assert statuses == {3: "committed", 2: QUARANTINED, 1: "committed"}
+    # Retention deletes old committed and dead partial checkpoints, not this one.
+    plan = apply_retention(any_root, RetentionPolicy(keep_last=1))
+    assert plan.delete == (1,) and plan.delete_partial == ()
+    assert read(any_root, "checkpoint_0000002/rank_00000.distcp") == shard
+
+    # A save of the same step finishes the move instead of deleting "leftovers".
+    ckpt.save(make_state(5), any_root, 2)
+    assert ckpt.find_latest_committed(any_root).step == 3
+    [aside] = [n for n in _names(any_root) if parse_quarantined_dirname(n) == 2]
+    assert aside.endswith(".quarantined-1Z")
+    assert read(any_root, f"{aside}/rank_00000.distcp") == shard
+    loaded = blank_state()
+    assert ckpt.load(loaded, any_root, step=2).step == 2
+    assert torch.equal(loaded["model"]["w"], make_state(5)["model"]["w"])
+
+
+def test_only_damage_quarantines_not_storage_trouble():
+    assert should_quarantine(CorruptCheckpointError("bad crc32c"))
+    assert not should_quarantine(UncommittedCheckpointError("pruned while listing"))
+    assert not should_quarantine(StorageError("503 after retries"))
+
+
+def test_ls_shows_quarantined_and_gc_removes_them_only_when_asked(tmp_root, capsys):
+    for step in (1, 2, 3):
+        ckpt.save(make_state(step), tmp_root, step)
+    _corrupt_flip(tmp_root, "checkpoint_0000003/rank_00000.distcp")
+    assert ckpt.load(blank_state(), tmp_root).step == 2
+    capsys.readouterr()
+
+    assert cli.main(["ls", tmp_root]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.split()[:2] == ["3", QUARANTINED])
+    assert "rank_00000.distcp" in row
+    assert "2 committed, 0 partial, 1 quarantined" in out
+    assert cli.main(["ls", "--json", tmp_root]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["status"]) for r in rows] == [
+        (2, "committed"),
+        (1, "committed"),
+        (3, QUARANTINED),
+    ]
+
+    assert cli.main(["gc", tmp_root, "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "kept          1 quarantined" in out
+    assert any(parse_quarantined_dirname(n) == 3 for n in _names(tmp_root))
+    assert cli.main(["gc", tmp_root, "--quarantined"]) == 0
+    assert "1 quarantined deleted" in capsys.readouterr().out
+    assert _names(tmp_root) == ["checkpoint_0000002"]
+
+
+def test_gc_needs_a_policy_or_quarantined(tmp_root):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["gc", tmp_root])
+    assert exc.value.code == 2
+
+
+def test_verify_refuses_metadata_resume_would_refuse(tmp_root, capsys):
+    """A forged .metadata with matching crc32c passes size/crc checks; OK must mean loadable."""
+    ckpt.save(make_state(1), tmp_root, 1)
+
+    class Forged:
+        def __reduce__(self):
+            return (os.getpid, ())  # harmless, but code all the same: the safe loader refuses
+
+    payload = pickle.dumps(Forged())
+    manifest = json.loads(read(tmp_root, "checkpoint_0000001/manifest.json"))
+    for entry in manifest["files"]:
+        if entry["path"] == ".metadata":
+            entry["size"], entry["crc32c"] = len(payload), gcs_crc(payload)
+    new_manifest = json.dumps(manifest).encode()
+    write(tmp_root, "checkpoint_0000001/.metadata", payload)
+    write(tmp_root, "checkpoint_0000001/manifest.json", new_manifest)
+    complete = json.loads(read(tmp_root, "checkpoint_0000001/COMPLETE"))
+    complete["manifest_crc32c"] = gcs_crc(new_manifest)
+    write(tmp_root, "checkpoint_0000001/COMPLETE", json.dumps(complete).encode())
+
+    for mode in ([], ["--fast"], ["--deep"]):
+        assert cli.main(["verify", tmp_root, *mode]) == 1
+        out = capsys.readouterr().out
+        assert out.startswith("FAIL") and ".metadata: not loadable" in out
+    with pytest.raises(ckpt.NoLoadableCheckpointError):
+        ckpt.load(blank_state(), tmp_root, quarantine=False)
+
+
+def test_ls_into_a_closed_pipe_prints_no_traceback(tmp_path):
+    root = tmp_path / "ckpts"
+    for step in range(1500):  # ~150 KB of rows: more than a pipe holds
+        (root / f"checkpoint_{step:07d}").mkdir(parents=True)
+    proc = subprocess.run(
+        f"{sys.executable} -m ckpt ls {root} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.stdout.startswith("      STEP")
+    assert proc.stderr == "", proc.stderr
