@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 from testing.local_cluster import descendants
 
@@ -39,3 +40,29 @@ def run_bounded(
         out, _ = proc.communicate()
         raise RunTimeoutError(cmd, timeout_s, out) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout=out)
+
+
+TORCHRUN_CLEAN_ENV = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TRAINER_FAULTS",
+)  # fmt: skip
+"""Variables of an outer distributed job that must not leak into a test's torchrun."""
+
+
+def torchrun_trainer(
+    args: list[str],
+    *,
+    cwd: str,
+    nproc: int = 2,
+    max_restarts: int = 0,
+    timeout_s: float = 90,
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc_per_node=N -m trainer ARGS``, bounded (stdout+stderr)."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_CLEAN_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}", "--monitor_interval=0.5",
+        "-m", "trainer", *args,
+    ]  # fmt: skip
+    return run_bounded(cmd, env=env, cwd=cwd, timeout_s=timeout_s)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -20,7 +19,7 @@ import pytest
 import ckpt
 from testing import mounts
 from testing.local_cluster import REPO
-from testing.procs import RunTimeoutError, run_bounded
+from testing.procs import RunTimeoutError, torchrun_trainer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -29,8 +28,6 @@ TRAINER_ARGS = [
     "--config", "examples/tiny_gpt.toml", "--max-steps", "12", "--ckpt-every", "2",
     "--set", "run.log_every=1", "--set", "data.corpus_chars=20000",
 ]  # fmt: skip
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_RESTART_COUNT", "TRAINER_FAULTS")  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,14 +39,13 @@ def _can_mount() -> None:
 
 def train(ckpt_dir: str, run_dir: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
     """``python -m trainer`` on 2 ranks (no restarts); the result and its wall seconds."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--max_restarts=0", "--monitor_interval=0.5",
-           "-m", "trainer", *TRAINER_ARGS, *args, "--ckpt-dir", ckpt_dir, "--run-dir", run_dir]  # fmt: skip
     started = time.monotonic()
     try:
-        result = run_bounded(cmd, env=env, cwd=REPO, timeout_s=RUN_TIMEOUT_S)
+        result = torchrun_trainer(
+            [*TRAINER_ARGS, *args, "--ckpt-dir", ckpt_dir, "--run-dir", run_dir],
+            cwd=REPO,
+            timeout_s=RUN_TIMEOUT_S,
+        )
     except RunTimeoutError as exc:
         pytest.fail(str(exc))
     return result, time.monotonic() - started
