@@ -92,3 +92,7 @@ class CheckpointDirError(CheckpointError):
 
 class CheckpointShapeError(StateMismatchError):
     """The newest checkpoint was written for objects of other shapes (another model)."""
+
+
+class DataPositionError(CheckpointError):
+    """A save where training steps advanced but the data position (sampler cursor) did not."""

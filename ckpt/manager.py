@@ -50,6 +50,7 @@ from ckpt.errors import (
     CheckpointNotFoundError,
     CheckpointShapeError,
     CorruptCheckpointError,
+    DataPositionError,
     SaveFailedError,
     StateMismatchError,
     StorageError,
@@ -221,6 +222,8 @@ class CheckpointManager:
         self.last_resume: ResumeInfo | None = None
         self._saves_in_flight: dict[int, dict[str, Any]] = {}
         self._shapes: dict[str, dict[str, list[int]]] | None = None
+        self._data_marks: dict[str, tuple[int, int]] = {}
+        """Per sampler key: (step, cursor) at the last save or resume (advance() guard)."""
         self.max_failures = max_failures
         self.consecutive_failures = 0
         """Durable saves that failed since the last commit (emergency saves included)."""
@@ -490,6 +493,8 @@ class CheckpointManager:
     ) -> int:
         """Push a loaded checkpoint into the objects, set RNG, record and report the resume."""
         self.app.load(template, skip_optimizers=fresh)
+        for key, sampler in self._samplers().items():
+            self._data_marks[key] = (int(result.step), int(sampler.data_position()["cursor"]))
         old_world = int(result.manifest.world_size)
         loaded_step = int(result.step)
         rng_restored = rng_loaded and old_world == self.world_size
@@ -641,6 +646,7 @@ class CheckpointManager:
         recorded for the shape check are those computed the first time (a module's
         parameters keep their shapes; ``module.state_dict()`` costs ~1 ms per call).
         """
+        positions = self._check_data_progress(step)
         if not reuse_shapes or self._shapes is None:
             self._shapes = self.app.tensor_shapes()
         fresh = self.app.fresh_optimizers()
@@ -655,9 +661,40 @@ class CheckpointManager:
                 "fresh_optimizers": fresh,
                 "rng": self.rng,
                 "shapes": self._shapes,
+                **({"data_position": positions} if positions else {}),
             },
         }
         return state, meta, fresh
+
+    def _samplers(self) -> dict[str, Any]:
+        """Stateful data positions in the state (``elastic.ElasticSampler``: ``data_position()``)."""
+        return {
+            key: obj
+            for key, obj in self.app.statefuls.items()
+            if callable(getattr(obj, "data_position", None))
+        }
+
+    def _check_data_progress(self, step: int) -> dict[str, Any]:
+        """Refuse a save whose steps advanced while a sampler's cursor did not (all ranks).
+
+        A forgotten ``sampler.advance()`` otherwise replays the same data after every
+        restart without a sign. The cursor is global, so every rank decides the same.
+        Returns each sampler's data position for the manifest.
+        """
+        positions = {}
+        for key, sampler in self._samplers().items():
+            position = sampler.data_position()
+            last_step, last_cursor = self._data_marks.get(key, (0, 0))
+            if step > last_step and int(position["cursor"]) == last_cursor:
+                raise DataPositionError(
+                    f"rank {self.rank} step {step}: state[{key!r}] did not advance since step "
+                    f"{last_step} (its cursor stayed at {last_cursor}); call "
+                    f"{key}.advance() once per optimizer step, or a restart replays the same "
+                    "samples. Nothing was saved."
+                )
+            self._data_marks[key] = (step, int(position["cursor"]))
+            positions[key] = position
+        return positions
 
     def save(self, step: int, *, blocking: bool = True, emergency: bool = False) -> str | None:
         """Save ``step`` now (collective); returns the URL, or None when the save failed.

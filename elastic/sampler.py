@@ -121,6 +121,9 @@ class ElasticSampler(Sampler[int]):
         self.world_size = world_size
         self.cursor = 0
         """Global samples consumed by the whole job (advanced by :meth:`advance`)."""
+        self.consumed_digest = ""
+        """Running digest of every global sample id consumed so far, in order (audit trail:
+        two runs that agree on it consumed the same stream; equal on every world size)."""
 
     @property
     def local_batch(self) -> int:
@@ -146,7 +149,12 @@ class ElasticSampler(Sampler[int]):
         """Record that ``steps`` global batches were consumed (call once per optimizer step)."""
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
-        self.cursor += steps * self.global_batch
+        for _ in range(steps):
+            ids = self.global_batch_ids()
+            self.consumed_digest = hashlib.sha256(
+                self.consumed_digest.encode() + np.asarray(ids, dtype=np.int64).tobytes()
+            ).hexdigest()[:32]
+            self.cursor += self.global_batch
 
     def __iter__(self) -> Iterator[int]:
         cursor = self.cursor
@@ -172,6 +180,8 @@ class ElasticSampler(Sampler[int]):
             "dataset_len": self.order.n_samples,
             "global_batch": self.global_batch,
             "seed": self.order.seed,
+            "consumed_digest": self.consumed_digest,
+            "next_batch_digest": samples_digest(self.global_batch_ids()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -187,4 +197,23 @@ class ElasticSampler(Sampler[int]):
                     f"sampler has {key}={mine}; the global sample order would differ. Use the "
                     "same dataset, global batch and seed, or start a new checkpoint root."
                 )
-        self.cursor = int(state["cursor"])
+        cursor = int(state["cursor"])
+        saved_next = state.get("next_batch_digest")
+        if saved_next and samples_digest(self.global_batch_ids(cursor)) != saved_next:
+            raise ValueError(
+                f"ElasticSampler: the checkpoint's data stream continues at cursor {cursor} with "
+                f"batch digest {saved_next}, but this sampler's order gives "
+                f"{samples_digest(self.global_batch_ids(cursor))} there: samples would be skipped "
+                "or repeated. Use the same dataset order (numpy version, seed), or start a new "
+                "checkpoint root."
+            )
+        self.cursor = cursor
+        self.consumed_digest = str(state.get("consumed_digest", ""))
+
+    def data_position(self) -> dict[str, Any]:
+        """Cursor and digests (what a checkpoint's manifest records for auditing)."""
+        return {
+            "cursor": self.cursor,
+            "consumed_digest": self.consumed_digest,
+            "next_batch_digest": samples_digest(self.global_batch_ids()),
+        }
