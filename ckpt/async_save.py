@@ -44,6 +44,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+HOUSEKEEPING_JOIN_S = 120.0
+"""How long :meth:`AsyncSaver.close` waits for retention still deleting old checkpoints."""
+
 logger = logging.getLogger(__name__)
 
 SaveRunner = Callable[[dict[str, Any], float], str]
@@ -150,6 +153,7 @@ class AsyncSaver:
         self._staging_buffer: Any = None
         self._atexit_registered = False
         self._gate_handles: list[Any] = []
+        self._housekeeping: list[threading.Thread] = []
 
     @property
     def pending(self) -> PendingSave | None:
@@ -177,9 +181,7 @@ class AsyncSaver:
         """
         with self._lock:
             if self._pending is not None and not self._pending.done():
-                raise RuntimeError(
-                    "ckpt: an async save is still in flight; call wait_for_previous"
-                )
+                raise RuntimeError("ckpt: an async save is still in flight; call wait_for_previous")
             self._remove_gates()
             copies: list[_Copy] = []
             staged = plan_staging(state, self._staging_buffer, copies)
@@ -253,13 +255,41 @@ class AsyncSaver:
             raise error
         return None if pending._error is not None else pending.url
 
+    def start_housekeeping(self, target: Callable[[], None], name: str) -> None:
+        """Run ``target`` (retention after a commit) on a daemon thread :meth:`close` joins."""
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        with self._lock:
+            self._housekeeping = [t for t in self._housekeeping if t.is_alive()]
+            self._housekeeping.append(thread)
+        thread.start()
+
+    def join_housekeeping(self, timeout: float | None = HOUSEKEEPING_JOIN_S) -> None:
+        """Wait for retention threads, so a finished run leaves what the policy says.
+
+        Bounded: a prune cut short by the exit is safe (COMPLETE goes first) and the
+        next one finishes it.
+        """
+        with self._lock:
+            threads, self._housekeeping = self._housekeeping, []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logger.warning(
+                    "ckpt: retention still running after %.0f s at close; the next prune "
+                    "finishes it",
+                    timeout,
+                )
+
     def close(self, timeout: float | None = None) -> str | None:
-        """Drain like :meth:`wait_pending`, then free the staging buffer (call before exit).
+        """Drain like :meth:`wait_pending`, wait for retention, free the staging buffer.
 
         Every rank calls it, before ``destroy_process_group``.
         """
         try:
-            return self.wait_pending(timeout)
+            url = self.wait_pending(timeout)
+            self.join_housekeeping()
+            return url
         finally:
             with self._lock:
                 if self._pending is None or self._pending.done():

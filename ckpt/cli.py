@@ -318,7 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader gone before the last write shows here, not at exit
+        return code
     except BrokenPipeError:
         # `python -m ckpt ls ROOT | head`: the reader left; exit quietly, as ls would.
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -24,7 +24,6 @@ import datetime
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt import async_save as _async
 from ckpt.checksum import crc32c_of
-from ckpt.discovery import find_latest_committed, inspect_dir
+from ckpt.discovery import Catalog, inspect_dir
 from ckpt.dist import Collective
 from ckpt.dist import quiet_single_process as _quiet_single_process
 from ckpt.errors import CheckpointError, CheckpointExistsError, FencedError, SaveFailedError
@@ -164,6 +163,7 @@ def save(
             retention=retention,
             started=started,
             blocking_s=blocking_s,
+            saver=saver,
         )
 
     if not async_save:
@@ -197,6 +197,7 @@ def _save_staged(
     retention: RetentionPolicy | None,
     started: float,
     blocking_s: float | None,
+    saver: _async.AsyncSaver,
 ) -> str:
     """The save protocol (module docstring) on ``state``; on the caller's or the save thread."""
     storage.fault_registry.rank = coll.rank
@@ -303,32 +304,34 @@ def _save_staged(
             }
         )
     if retention is not None and coll.is_coordinator:
-        threading.Thread(
-            target=_retention_in_background,
-            args=(storage, retention),
-            name="ckpt-retention",
-            daemon=True,
-        ).start()
+        saver.start_housekeeping(
+            lambda: _retention_in_background(storage, retention), name="ckpt-retention"
+        )
     return url
 
 
 def _prepare(storage: Storage, dirname: str, attempt: Attempt, started_at: float) -> None:
-    """Coordinator: refuse to overwrite a commit, fence, clear a dead attempt's leftovers."""
-    existing = storage.child(dirname).list_files()
+    """Coordinator: refuse to overwrite a commit, fence, clear a dead attempt's leftovers.
+
+    Lists the root once (a :class:`~ckpt.discovery.Catalog` shared with the fence
+    check); the step's directory is listed only when the root holds it.
+    """
+    catalog = Catalog(storage)
+    step = int(dirname.rsplit("_", 1)[-1])
+    existing = storage.child(dirname).list_files() if catalog.has(step) else {}
     if QUARANTINE_MARKER_NAME in existing and COMPLETE_NAME not in existing:
         # A quarantine interrupted before its move: finish it, never delete the forensics.
         finish_quarantine_move(storage, dirname)
         existing = {}
     if COMPLETE_NAME in existing:
-        info = inspect_dir(storage, dirname)
+        info = catalog.info(step)
         if info.committed:
             raise CheckpointExistsError(
                 f"{info.url} is already committed (by attempt {info.marker.attempt.restart_count} "
                 f"of run {info.marker.attempt.run_id!r}); committed checkpoints are never "
                 "overwritten. Resume from it, or save under another step or root."
             )
-    step = int(dirname.rsplit("_", 1)[-1])
-    _check_fence(storage, attempt, step, started_at)
+    _check_fence(storage, attempt, step, started_at, catalog)
     if existing:
         logger.warning(
             "ckpt: removing %d files of an uncommitted save at %s (a dead attempt's leftovers)",
@@ -338,15 +341,24 @@ def _prepare(storage: Storage, dirname: str, attempt: Attempt, started_at: float
         storage.remove_tree(dirname)
 
 
-def _check_fence(storage: Storage, attempt: Attempt, step: int, started_at: float) -> None:
+def _check_fence(
+    storage: Storage,
+    attempt: Attempt,
+    step: int,
+    started_at: float,
+    catalog: Catalog | None = None,
+) -> None:
     """Refuse to commit if a newer attempt of this run committed while this one was alive.
+
+    ``catalog``: the listing the save's preparation made; the check before COMPLETE
+    passes none and lists afresh (a newer attempt may have committed during the write).
 
     Restart counts restart at 0 when a job is launched again under the same run id,
     so a higher count alone does not make a commit newer: it must also have been
     made after this attempt's processes started (``started_at``, the earliest
     process start among the ranks).
     """
-    latest = find_latest_committed(storage)
+    latest = (catalog if catalog is not None else Catalog(storage)).latest_committed()
     if latest is None or latest.marker is None:
         return
     newer = latest.marker.attempt

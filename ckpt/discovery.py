@@ -6,12 +6,16 @@ Everything else is *partial*: invisible to resume and retention counting, shown
 as such by ``python -m ckpt ls``. A directory without COMPLETE but with a
 QUARANTINED record is *quarantined* (:mod:`ckpt.quarantine`, a move interrupted
 half-way): never resumed, never deleted by retention or a new save's clean-up.
+*corrupt* is a committed one that an operation failed to verify or load and did not
+quarantine (:meth:`Catalog.mark`). One operation lists the root once into a
+:class:`Catalog` and passes it down.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 from ckpt.errors import CorruptCheckpointError, ObjectNotFoundError
 from ckpt.layout import (
@@ -22,6 +26,7 @@ from ckpt.layout import (
     parse_checkpoint_dirname,
 )
 from ckpt.manifest import CompleteMarker, Manifest
+from ckpt.quarantine import QuarantinedCheckpoint, list_quarantined
 from ckpt.quarantine import read_record as read_quarantine_record
 from ckpt.storage import Storage
 
@@ -29,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 COMMITTED = "committed"
 PARTIAL = "partial"
+CORRUPT = "corrupt"
+"""Committed, but this operation failed to verify or load it (quarantine turned off)."""
 QUARANTINED = "quarantined"
 
 
@@ -101,6 +108,68 @@ def inspect_dir(storage: Storage, dirname: str) -> CheckpointInfo:
     )
 
 
+class Catalog:
+    """One listing of a root for one operation, its directories inspected lazily, newest first.
+
+    A resume, a save's preparation or a CLI call lists the root once into a catalog and
+    passes it down (Orbax's ``CheckpointManager`` keeps its checkpoints the same way),
+    instead of each step listing the root again and re-reading every manifest: a resume
+    reads COMPLETE and manifest.json of the checkpoint it loads, and of older ones only
+    when it falls back to them. A snapshot: what changed on storage after the listing is
+    seen only through :meth:`mark` (quarantine, a failed verification) or a new catalog.
+    Used by one process (the coordinator of the operation); not thread-safe.
+    """
+
+    def __init__(self, root: str | Storage, entries: list[tuple[str, bool]] | None = None):
+        self.storage = as_storage(root)
+        self._entries = entries
+        self._infos: dict[int, CheckpointInfo] = {}
+
+    @property
+    def entries(self) -> list[tuple[str, bool]]:
+        """The root's listing (``Storage.list_dir``), made on first use."""
+        if self._entries is None:
+            self._entries = self.storage.list_dir()
+        return self._entries
+
+    def steps(self) -> list[int]:
+        """Steps of every checkpoint directory in the listing, newest first."""
+        return sorted(
+            (s for name, _ in self.entries if (s := parse_checkpoint_dirname(name)) is not None),
+            reverse=True,
+        )
+
+    def has(self, step: int) -> bool:
+        """Whether the listing holds a directory for ``step``."""
+        return step in self._infos or step in set(self.steps())
+
+    def info(self, step: int) -> CheckpointInfo:
+        """The checkpoint of ``step`` (COMPLETE and manifest.json read once, then kept)."""
+        if step not in self._infos:
+            self._infos[step] = inspect_dir(self.storage, checkpoint_dirname(step))
+        return self._infos[step]
+
+    def __iter__(self) -> Iterator[CheckpointInfo]:
+        """Every checkpoint directory, newest first, inspected as the iteration reaches it."""
+        return (self.info(step) for step in self.steps())
+
+    def latest_committed(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint, or None; reads only down to it."""
+        for info in self:
+            if info.committed:
+                return info
+            logger.debug("ckpt: skipping %s: %s", info.url, info.reason)
+        return None
+
+    def mark(self, step: int, status: str, reason: str) -> None:
+        """Record what this operation learned about ``step`` (quarantined, corrupt)."""
+        self._infos[step] = replace(self.info(step), status=status, reason=reason)
+
+    def quarantined(self) -> list[QuarantinedCheckpoint]:
+        """Checkpoints already moved aside under a ``.quarantined-`` name (newest first)."""
+        return list_quarantined(self.storage, self.entries)
+
+
 def list_checkpoints(
     root: str | Storage, entries: list[tuple[str, bool]] | None = None
 ) -> list[CheckpointInfo]:
@@ -109,18 +178,7 @@ def list_checkpoints(
     ``entries``: the root's listing when the caller already has it (one listing per
     operation).
     """
-    storage = as_storage(root)
-    if entries is None:
-        entries = storage.list_dir()
-    dirs = sorted(
-        (
-            (step, name)
-            for name, _ in entries
-            if (step := parse_checkpoint_dirname(name)) is not None
-        ),
-        reverse=True,
-    )
-    return [inspect_dir(storage, name) for _, name in dirs]
+    return list(Catalog(root, entries))
 
 
 def committed_checkpoints(root: str | Storage) -> list[CheckpointInfo]:
@@ -134,17 +192,7 @@ def find_latest_committed(root: str | Storage) -> CheckpointInfo | None:
     Walks directories newest first and stops at the first committed one, so it
     reads only what it must.
     """
-    storage = as_storage(root)
-    steps = sorted(
-        (s for name, _ in storage.list_dir() if (s := parse_checkpoint_dirname(name)) is not None),
-        reverse=True,
-    )
-    for step in steps:
-        info = inspect_dir(storage, checkpoint_dirname(step))
-        if info.committed:
-            return info
-        logger.debug("ckpt: skipping %s: %s", info.url, info.reason)
-    return None
+    return Catalog(root).latest_committed()
 
 
 def resolve(url: str, step: int | None = None) -> tuple[Storage, CheckpointInfo]:

@@ -48,6 +48,19 @@ class UncommittedCheckpointError(CorruptCheckpointError):
     """A checkpoint listed as committed was no longer committed when read (pruned meanwhile)."""
 
 
+class CheckpointUnreadableError(CheckpointError):
+    """A committed checkpoint could not be checked or loaded for a reason outside its files.
+
+    A storage outage, running out of memory, an unexpected error while decoding: resume
+    falls back from it but never quarantines it (its files were not found damaged).
+    """
+
+    def __init__(self, message: str, *, url: str = "", path: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+        self.path = path
+
+
 class CheckpointNotFoundError(CheckpointError):
     """No committed checkpoint exists where one was required."""
 

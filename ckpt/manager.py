@@ -27,6 +27,7 @@ training goes on (the previous committed checkpoint stays the newest).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from ckpt import memory_restore as _memory_restore
 from ckpt import root_check as _root_check
 from ckpt.app_state import AppState, shape_mismatch
 from ckpt.commit import save as _save
-from ckpt.discovery import find_latest_committed
+from ckpt.discovery import Catalog
 from ckpt.errors import (
     CheckpointDirError,
     CheckpointError,
@@ -60,7 +61,8 @@ from ckpt.faults import FaultRegistry, parse_storage_faults
 from ckpt.memory_tier import MemoryTier, SnapshotError
 from ckpt.restore import LoadResult
 from ckpt.restore import load as _load
-from ckpt.retention import RetentionPolicy
+from ckpt.retention import DEFAULT_RETENTION, RetentionPolicy
+from ckpt.retention import describe as describe_retention
 from ckpt.rng import (
     RNG_STATE_KEY,
     capture_rng,
@@ -144,6 +146,12 @@ class CheckpointManager:
     to ``root`` as before. Host memory per rank: two snapshots of its shard plus two of
     the replica it holds. A failed snapshot emits ``memory_snapshot_failed``.
 
+    Retention: ``retention`` (default :data:`~ckpt.retention.DEFAULT_RETENTION`, keep
+    the newest 3; ``None`` keeps everything) is applied by the coordinator after every
+    commit, never to the checkpoint this run resumed from, to a partial directory
+    newer than the newest commit (a save in flight) or to a quarantined one; the
+    policy is said at WARNING on rank 0 when the manager is built.
+
     Failed saves: ``max_failures`` (default 3; 0: never stop) durable saves failing in a
     row make :meth:`maybe_save` raise :class:`~ckpt.errors.TooManySaveFailuresError` on
     every rank at the same step, and a failed ``final`` save raises it at once: a job
@@ -163,7 +171,7 @@ class CheckpointManager:
         rng: bool = True,
         seed: int = 0,
         metadata: dict[str, Any] | Callable[[int], dict[str, Any]] | None = None,
-        retention: RetentionPolicy | None = None,
+        retention: RetentionPolicy | None = DEFAULT_RETENTION,
         on_event: EventCallback | None = None,
         storage_options: StorageOptions | None = None,
         process_group: Any = None,
@@ -225,6 +233,8 @@ class CheckpointManager:
         self._data_marks: dict[str, tuple[int, int]] = {}
         """Per sampler key: (step, cursor) at the last save or resume (advance() guard)."""
         self.max_failures = max_failures
+        if self.rank == 0:
+            logger.warning("rank 0: checkpoints under %s: %s", root, describe_retention(retention))
         self.consecutive_failures = 0
         """Durable saves that failed since the last commit (emergency saves included)."""
         self._last_failure = ""
@@ -306,10 +316,11 @@ class CheckpointManager:
         """
         self.check_root()
         coll = _dist.Collective(self._group)
-        storage = Storage(self.root, self.storage_options)
+        # One listing of the root for the whole resume (the coordinator's; load reuses it).
+        catalog = Catalog(Storage(self.root, self.storage_options))
 
         def newest() -> tuple[int, int, dict[str, Any], str, int] | None:
-            info = find_latest_committed(storage)
+            info = catalog.latest_committed()
             if info is None or info.manifest is None:
                 return None
             record = info.manifest.metadata.get(MANAGER_META_KEY, {})
@@ -341,7 +352,7 @@ class CheckpointManager:
         started = time.monotonic()
         fresh = [k for k in record.get("fresh_optimizers", []) if k in self.app.optimizers]
         want_rng = self.rng and saved_world == self.world_size
-        result, template, rng_loaded = self._load(fresh, want_rng)
+        result, template, rng_loaded = self._load(fresh, want_rng, catalog=catalog)
         if result is None:  # every committed checkpoint vanished between listing and loading
             return self._nothing_to_resume(must)
         loaded_step = self._finish_resume(result, template, rng_loaded, fresh, started, "durable")
@@ -493,6 +504,10 @@ class CheckpointManager:
     ) -> int:
         """Push a loaded checkpoint into the objects, set RNG, record and report the resume."""
         self.app.load(template, skip_optimizers=fresh)
+        if tier == "durable" and self.retention is not None:  # never prune what we resumed from
+            self.retention = dataclasses.replace(
+                self.retention, protect=frozenset({int(result.step)})
+            )
         for key, sampler in self._samplers().items():
             self._data_marks[key] = (int(result.step), int(sampler.data_position()["cursor"]))
         old_world = int(result.manifest.world_size)
@@ -519,6 +534,12 @@ class CheckpointManager:
             metadata=user_meta,
             tier=tier,
         )
+        if self.rank == 0:
+            logger.warning(
+                "rank 0: resumed step %d from %s (%s tier, world size %d -> %d, RNG %s, %.2f s)",
+                loaded_step, url, tier, old_world, self.world_size,
+                "restored" if rng_restored else "re-derived", self.last_resume.duration_s,
+            )  # fmt: skip
         extra = {"tier": tier} if self._memory is not None else {}
         self._emit(
             "resume",
@@ -541,19 +562,20 @@ class CheckpointManager:
         root: str | None = None,
         step: int | None = None,
         tier: str = "durable",
+        catalog: Catalog | None = None,
     ) -> tuple[LoadResult | None, dict[str, Any], bool]:
         template = self.app.state_dict(skip_optimizers=fresh)
         if want_rng:
             template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
         try:
-            return self._load_into(template, root, step, tier), template, want_rng
+            return self._load_into(template, root, step, tier, catalog), template, want_rng
         except StateMismatchError as exc:
             if not want_rng:
                 raise
             # A fallback landed on a checkpoint of another world size (no RNG key for us).
             logger.warning("rank %d: retrying the load without RNG state: %s", self.rank, exc)
             template.pop(RNG_STATE_KEY)
-            return self._load_into(template, root, step, tier), template, False
+            return self._load_into(template, root, step, tier, catalog), template, False
 
     def _load_into(
         self,
@@ -561,6 +583,7 @@ class CheckpointManager:
         root: str | None = None,
         step: int | None = None,
         tier: str = "durable",
+        catalog: Catalog | None = None,
     ) -> LoadResult | None:
         if root is None:
             return _load(
@@ -570,6 +593,7 @@ class CheckpointManager:
                 process_group=self._group,
                 on_event=self._sink(),
                 storage_options=self.storage_options,
+                catalog=catalog,
                 _saver=self._async,
             )
         # A memory snapshot assembled for this rank under a ckptmem:// root (node-local
@@ -897,6 +921,4 @@ class CheckpointManager:
 
 
 def _with_faults(options: StorageOptions, registry: FaultRegistry) -> StorageOptions:
-    import dataclasses
-
     return dataclasses.replace(options, faults=registry)

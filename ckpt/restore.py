@@ -28,12 +28,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt import async_save as _async
 from ckpt.commit import EventSink
-from ckpt.discovery import CheckpointInfo, inspect_dir, list_checkpoints
+from ckpt.discovery import CORRUPT, QUARANTINED, Catalog
 from ckpt.dist import Collective
 from ckpt.dist import quiet_single_process as _quiet_single_process
 from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointUnreadableError,
     CorruptCheckpointError,
     NoLoadableCheckpointError,
     StateMismatchError,
@@ -83,6 +84,7 @@ def load(
     on_event: EventSink | None = None,
     storage_options: StorageOptions | None = None,
     quarantine: bool = True,
+    catalog: Catalog | None = None,
     _saver: _async.AsyncSaver | None = None,
 ) -> LoadResult | None:
     """Load ``state`` in place from the newest committed checkpoint under ``root``.
@@ -93,6 +95,9 @@ def load(
     ``quarantine`` (the default), a committed checkpoint that fails verification is
     set aside by the coordinator before the fallback (:mod:`ckpt.quarantine`), so
     its step can be committed again instead of failing every later save.
+    ``catalog``: the coordinator's listing of ``root`` when the caller already made
+    one (:class:`~ckpt.discovery.Catalog`; what it read is not read again); other
+    ranks ignore it. Without it, the coordinator lists ``root`` once.
     """
     if not isinstance(root, str):
         raise TypeError(f"root must be a str URL, got {type(root).__name__}")
@@ -105,35 +110,34 @@ def load(
     storage.fault_registry.rank = coll.rank
     storage.fault_registry.step = None
 
-    def discover() -> tuple[list[int], list[int]]:
+    # Only the coordinator lists and reads COMPLETE/manifest.json; the others follow.
+    cat = catalog if catalog is not None and coll.is_coordinator else Catalog(storage)
+
+    def discover() -> list[int]:
         if step is not None:
-            return [step], []
-        infos = list_checkpoints(storage)
-        if not infos:
+            return [step]
+        steps = cat.steps()
+        if not steps:
             storage.check_reachable()  # a missing bucket is not an empty root
-        return [i.step for i in infos if i.committed], [i.step for i in infos if not i.committed]
+        return steps
 
-    candidates, partial = coll.on_coordinator(f"listing {root}", discover)
-    if not candidates:
-        if partial:
-            logger.warning(
-                "ckpt: %s holds %d partial checkpoint(s) (steps %s) and no committed one",
-                root,
-                len(partial),
-                partial[:5],
-            )
-        if missing_ok:
-            return None
-        raise CheckpointNotFoundError(f"no committed checkpoint under {root}")
-
+    candidates = coll.on_coordinator(f"listing {root}", discover)
     skipped: list[SkippedCheckpoint] = []
+    uncommitted: list[int] = []
     for candidate in candidates:
         dirname = checkpoint_dirname(candidate)
         ckpt_dir = storage.child(dirname)
         try:
             manifest = coll.on_coordinator(
-                f"verifying {ckpt_dir.root_url}", lambda d=dirname: _verified_manifest(storage, d)
+                f"verifying {ckpt_dir.root_url}", lambda c=candidate: _verified_manifest(cat, c)
             )
+            if manifest is None:  # partial or quarantined: never a candidate
+                if step is not None:
+                    raise UncommittedCheckpointError(
+                        f"{ckpt_dir.root_url} is not a committed checkpoint", url=ckpt_dir.root_url
+                    )
+                uncommitted.append(candidate)
+                continue
             reader = ShardReader(ckpt_dir, manifest)
             coll.on_every_rank(f"reading {ckpt_dir.url('.metadata')}", reader.read_metadata)
             _dcp_load(state, reader, coll)
@@ -164,7 +168,9 @@ def load(
                     }
                 )
             if quarantine and should_quarantine(exc):
-                _set_aside(storage, coll, skip, on_event)
+                _set_aside(cat, coll, skip, on_event)
+            elif coll.is_coordinator:
+                cat.mark(candidate, CORRUPT, reason)
             continue
         duration = time.monotonic() - started
         bytes_read = reader.bytes_read
@@ -198,10 +204,21 @@ def load(
             duration_s=duration,
             skipped=skipped,
         )
+    if not skipped:
+        if uncommitted and coll.is_coordinator:
+            logger.warning(
+                "ckpt: %s holds %d partial checkpoint(s) (steps %s) and no committed one",
+                root,
+                len(uncommitted),
+                uncommitted[:5],
+            )
+        if missing_ok:
+            return None
+        raise CheckpointNotFoundError(f"no committed checkpoint under {root}")
     reasons = [(s.step, s.reason) for s in skipped]
     listing = "; ".join(f"step {s}: {r}" for s, r in reasons)
     raise NoLoadableCheckpointError(
-        f"{root} has {len(candidates)} committed checkpoint(s) but none could be loaded "
+        f"{root} has {len(skipped)} committed checkpoint(s) but none could be loaded "
         f"({listing}). Nothing was started from scratch; inspect them with "
         f"`python -m ckpt verify --deep {root}`.",
         reasons,
@@ -209,16 +226,18 @@ def load(
 
 
 def _set_aside(
-    storage: Storage, coll: Collective, skip: SkippedCheckpoint, on_event: EventSink | None
+    cat: Catalog, coll: Collective, skip: SkippedCheckpoint, on_event: EventSink | None
 ) -> None:
     """Quarantine a checkpoint every rank failed to load (the coordinator moves it)."""
 
     def move() -> str:
         try:
-            kept = quarantine_checkpoint(storage, skip.step, skip.reason, skip.path)
+            kept = quarantine_checkpoint(cat.storage, skip.step, skip.reason, skip.path)
         except CheckpointError as exc:  # the fallback goes on; the next resume tries again
+            cat.mark(skip.step, CORRUPT, skip.reason)
             logger.error("ckpt: could not quarantine %s: %s", skip.url, exc)
             return ""
+        cat.mark(skip.step, QUARANTINED, skip.reason)
         logger.warning(
             "ckpt: quarantined %s (%s); its files are kept at %s, step %d can be saved again "
             "(`python -m ckpt gc --quarantined` removes them)",
@@ -243,14 +262,13 @@ def _set_aside(
         )
 
 
-def _verified_manifest(storage: Storage, dirname: str) -> Manifest:
-    info: CheckpointInfo = inspect_dir(storage, dirname)
+def _verified_manifest(cat: Catalog, step: int) -> Manifest | None:
+    """Coordinator: the manifest of ``step`` once its files verify; None if not committed."""
+    info = cat.info(step)
     if not info.committed or info.manifest is None:
-        # Gone or changed since listing (pruned): skipped, but nothing to quarantine.
-        raise UncommittedCheckpointError(
-            f"{info.url} is not committed: {info.reason}", url=info.url
-        )
-    verify_dir(storage.child(dirname), info.manifest).raise_if_bad()
+        logger.debug("ckpt: skipping %s: %s", info.url, info.reason)
+        return None
+    verify_dir(cat.storage.child(info.dirname), info.manifest).raise_if_bad()
     return info.manifest
 
 
@@ -269,20 +287,25 @@ def _dcp_load(state: dict[str, Any], reader: ShardReader, coll: Collective) -> N
         for err in errors:
             if isinstance(err, StateMismatchError):
                 raise StateMismatchError(str(err)) from None
-        # The first error that names a file wins; any failure rejects this checkpoint.
-        first = next((e for e in errors if getattr(e, "path", "")), errors[0] if errors else exc)
+        # Any failure rejects this checkpoint; damage found in it (a bad crc32c, a missing
+        # file) wins over the rest, since only damage sets a checkpoint aside: a storage
+        # outage or running out of memory says nothing about its files.
+        damage = [e for e in errors if isinstance(e, CorruptCheckpointError)]
+        first = next((e for e in damage if e.path), damage[0] if damage else None)
+        url = reader.ckpt_dir.root_url
+        if first is not None:
+            raise CorruptCheckpointError(str(first), url=url, path=first.path) from None
+        other = errors[0] if errors else exc
         message = (
-            str(first)
-            if isinstance(first, CheckpointError)
-            else (f"{reader.ckpt_dir.root_url}: loading failed: {type(first).__name__}: {first}")
+            str(other)
+            if isinstance(other, CheckpointError)
+            else f"{url}: loading failed: {type(other).__name__}: {other}"
         )
-        raise CorruptCheckpointError(
-            message, url=reader.ckpt_dir.root_url, path=getattr(first, "path", "")
-        ) from None
+        raise CheckpointUnreadableError(message, url=url, path=getattr(other, "path", "")) from None
     except CheckpointError:
         raise
     except Exception as exc:
-        raise CorruptCheckpointError(
+        raise CheckpointUnreadableError(
             f"{reader.ckpt_dir.root_url}: loading failed on rank {coll.rank}: "
             f"{type(exc).__name__}: {exc}",
             url=reader.ckpt_dir.root_url,

@@ -2,12 +2,19 @@
 
 Policy: keep the newest ``keep_last`` committed checkpoints (at least one, so the
 newest is never deleted) and, permanently, every committed checkpoint whose step
-is a multiple of ``keep_every``. Partial directories older than the newest
+is a multiple of ``keep_every`` and every ``protect``-ed step (the one a run resumed
+from). Quarantined checkpoints (:mod:`ckpt.quarantine`) are neither committed nor
+partial: retention never touches them (``python -m ckpt gc --quarantined`` does). Partial directories older than the newest
 committed checkpoint belong to dead attempts and are deleted; newer partial
 directories may be a save in flight and are kept.
 
 Deleting a committed checkpoint removes its COMPLETE marker first, so a deletion
-interrupted half-way leaves a partial directory, never a torn "committed" one.
+interrupted half-way (a kill at any point of a prune) leaves a partial directory,
+never a torn "committed" one, and the next prune deletes that partial directory.
+
+``DEFAULT_RETENTION`` (keep the newest 3) is what ``CheckpointManager`` and the
+trainer apply after every commit unless told otherwise: a month-long run must not
+fill its disk or bucket.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ class RetentionPolicy:
     """Also keep, forever, committed checkpoints whose step is a multiple of this."""
     delete_partial: bool = True
     """Delete partial directories older than the newest committed checkpoint."""
+    protect: frozenset[int] = frozenset()
+    """Committed steps never deleted whatever their age (a manager protects the checkpoint
+    it resumed from)."""
 
     def __post_init__(self) -> None:
         if (
@@ -67,7 +77,10 @@ def plan_retention(
     delete: list[int] = []
     reasons: dict[int, str] = {}
     for index, step in enumerate(committed):
-        if index < policy.keep_last:
+        if step in policy.protect:
+            keep.append(step)
+            reasons[step] = "protected (resumed from)"
+        elif index < policy.keep_last:
             keep.append(step)
             reasons[step] = "newest" if index == 0 else f"among the newest {policy.keep_last}"
         elif policy.keep_every and step % policy.keep_every == 0:
@@ -113,3 +126,17 @@ def apply_retention(
         storage.remove_tree(checkpoint_dirname(step))
         logger.info("ckpt: retention deleted partial %s", storage.url(checkpoint_dirname(step)))
     return plan
+
+
+DEFAULT_RETENTION = RetentionPolicy(keep_last=3)
+"""The default of ``CheckpointManager(retention=...)`` and of the trainer's ``checkpoint.keep_last``."""
+
+
+def describe(policy: RetentionPolicy | None) -> str:
+    """One line for the start of a run: what retention keeps."""
+    if policy is None:
+        return "retention off: every committed checkpoint is kept (the root grows without bound)"
+    text = f"retention keeps the newest {policy.keep_last} committed checkpoint(s)"
+    if policy.keep_every:
+        text += f" and every step that is a multiple of {policy.keep_every}"
+    return text + "; older ones are deleted after each commit"

@@ -14,7 +14,9 @@ exists with the manifest's size:
 - ``deep``: reads and checksums every file, whatever the backend reports.
 
 A problem names the file and says what is wrong; :meth:`VerifyReport.raise_if_bad`
-raises :class:`~ckpt.errors.CorruptCheckpointError` for the first one.
+raises :class:`~ckpt.errors.CorruptCheckpointError` for the first one, or, when every
+problem is a storage call that failed (nothing was found damaged),
+:class:`~ckpt.errors.CheckpointUnreadableError`: resume quarantines only the former.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ckpt.errors import CorruptCheckpointError, StorageError
+from ckpt.errors import CheckpointUnreadableError, CorruptCheckpointError, StorageError
 from ckpt.layout import DCP_METADATA_NAME
 from ckpt.manifest import Manifest
 from ckpt.storage import Storage, crc32c_of_object
@@ -52,6 +54,8 @@ class VerifyReport:
     sizes_only: int = 0
     """Files that passed with only their size checked: contents not verified."""
     problems: list[tuple[str, str]] = field(default_factory=list)
+    unreadable: int = 0
+    """How many of ``problems`` are storage calls that failed, not damage found."""
 
     @property
     def ok(self) -> bool:
@@ -63,12 +67,12 @@ class VerifyReport:
             more = (
                 f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
             )
-            raise CorruptCheckpointError(
-                f"checkpoint {self.url} (step {self.step}) failed verification: "
-                f"{path}: {why}{more}",
-                url=self.url,
-                path=path,
+            message = (
+                f"checkpoint {self.url} (step {self.step}) failed verification: {path}: {why}{more}"
             )
+            if self.unreadable == len(self.problems):
+                raise CheckpointUnreadableError(message, url=self.url, path=path)
+            raise CorruptCheckpointError(message, url=self.url, path=path)
 
 
 def verify_dir(
@@ -94,6 +98,7 @@ def verify_dir(
         present = ckpt_dir.list_files()
     except StorageError as exc:
         report.problems.append(("", f"cannot list the checkpoint: {exc}"))
+        report.unreadable += 1
         return report
     for entry in manifest.files:
         meta = present.get(entry.path)
@@ -118,6 +123,7 @@ def verify_dir(
                 _, crc = crc32c_of_object(ckpt_dir, entry.path)
             except StorageError as exc:
                 report.problems.append((entry.path, f"cannot read: {exc}"))
+                report.unreadable += 1
                 continue
             report.crc_checked += 1
             report.bytes_checked += entry.size

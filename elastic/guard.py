@@ -45,7 +45,7 @@ from elastic.heartbeat import (
     namespace,
     store_address,
 )
-from elastic.identity import RunIdentity, job_restart_count
+from elastic.identity import RunIdentity, job_restart_count, restart_setup_problem
 from elastic.preemption import PreemptionHandler, agree_on_preemption
 from elastic.straggler import StragglerMonitor
 from elastic.watchdog import Watchdog
@@ -194,6 +194,9 @@ class RunGuard:
     # -- lifetime --------------------------------------------------------------------------
 
     def __enter__(self) -> RunGuard:
+        problem = restart_setup_problem(self._env)
+        if problem is not None and self.rank == 0:
+            logger.warning("rank 0: %s", problem)  # the most common way a restarted job hangs
         self.preemption = self._stack.enter_context(PreemptionHandler(self._grace_s, env=self._env))
         if self.watchdog_s > 0:
             self.watchdog = self._stack.enter_context(
@@ -315,6 +318,31 @@ class RunGuard:
         saved = False
         if agreed.save and self.saver is not None and done_step > 0:
             saved = self.saver.emergency_save(done_step)
+        if self.rank == 0:  # said before the exit: torchrun reports the group as failed
+            signal_name = self.preemption.signal_name or "SIGTERM"
+            if saved:
+                logger.warning(
+                    "rank 0: %s: emergency checkpoint committed at step %d; a relaunch resumes "
+                    "from it",
+                    signal_name,
+                    done_step,
+                )
+            else:
+                if not agreed.save:
+                    why = agreed.reason
+                elif self.saver is None:
+                    why = "no checkpoint saver attached"
+                elif done_step == 0:
+                    why = "no step finished yet"
+                else:
+                    why = "the emergency save failed, see the error above"
+                logger.warning(
+                    "rank 0: %s: stopping after step %d without an emergency checkpoint (%s); "
+                    "a relaunch resumes from the newest committed checkpoint",
+                    signal_name,
+                    done_step,
+                    why,
+                )
         self.event("preempted", done_step, reason=agreed.reason, emergency_save=saved)
         raise Preempted(done_step, self.preemption.signal_name or "SIGTERM", saved)
 

@@ -222,9 +222,6 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
     )
-    problem = elastic.restart_setup_problem()  # restarts need a variable in torchrun's env
-    if problem is not None and rank == 0:
-        logger.warning("%s", problem)
     if torch.cuda.is_available():  # cuBLAS needs this for deterministic matmuls
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)

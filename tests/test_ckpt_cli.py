@@ -169,3 +169,32 @@ def test_module_entry_point_and_help():
         [sys.executable, "-m", "ckpt", "frobnicate"], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["ls"], ["ls", "--json"], ["inspect"], ["verify"], ["gc", "--dry-run", "--keep-last", "1"]],
+    ids=["ls", "ls-json", "inspect", "verify", "gc-dry-run"],
+)
+def test_a_reader_gone_before_any_output_gets_no_traceback(populated, command):
+    """`python -m ckpt ... | head -0`-like: the pipe is closed before the first write.
+
+    Small outputs are written only at the final flush, after the command returned; that
+    flush must be inside the CLI's handling too, or Python prints "Exception ignored".
+    """
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "ckpt", command[0], populated, *command[1:]],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == "", result.stderr
+    assert result.returncode == 0
+    assert len(ckpt.list_checkpoints(populated)) == 4  # a dry run deletes nothing

@@ -23,12 +23,14 @@ import ckpt
 from ckpt import cli
 from ckpt.discovery import QUARANTINED, list_checkpoints
 from ckpt.errors import (
+    CheckpointUnreadableError,
     CorruptCheckpointError,
     StorageError,
     UncommittedCheckpointError,
 )
 from ckpt.layout import COMPLETE_NAME, QUARANTINE_MARKER_NAME
 from ckpt.quarantine import list_quarantined, parse_quarantined_dirname, should_quarantine
+from ckpt.reader import ShardReader
 from ckpt.retention import RetentionPolicy, apply_retention
 from ckpt.storage import Storage
 
@@ -138,6 +140,54 @@ def test_only_damage_quarantines_not_storage_trouble():
     assert should_quarantine(CorruptCheckpointError("bad crc32c"))
     assert not should_quarantine(UncommittedCheckpointError("pruned while listing"))
     assert not should_quarantine(StorageError("503 after retries"))
+    assert not should_quarantine(CheckpointUnreadableError("out of memory while loading"))
+
+
+def _fail_for_step_2(real, exc: Exception):
+    """Wrap a Storage/ShardReader method: raise ``exc`` for checkpoint 2, else call through."""
+
+    def wrapper(self, *args, **kwargs):
+        storage = getattr(self, "ckpt_dir", self)
+        if storage.root_url.endswith("checkpoint_0000002"):
+            raise exc
+        return real(self, *args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize(
+    ("target", "attr", "exc"),
+    [
+        # verification cannot list the newest checkpoint's files (a storage outage)
+        (Storage, "list_files", StorageError("503 Service Unavailable (after retries)")),
+        # reading its shards fails outside the checkpoint (a storage outage, out of memory)
+        (ShardReader, "_read_span", StorageError("connection reset (after retries)")),
+        (ShardReader, "_use_span", RuntimeError("CUDA out of memory")),
+    ],
+    ids=["verify-listing-outage", "shard-read-outage", "out-of-memory"],
+)
+def test_trouble_outside_the_files_falls_back_but_never_quarantines(
+    any_root, monkeypatch, target, attr, exc
+):
+    """A good checkpoint that could not be read this time stays committed, files untouched."""
+    ckpt.save(make_state(1), any_root, 1)
+    newest = make_state(2)
+    ckpt.save(newest, any_root, 2)
+    before = _files(any_root, "checkpoint_0000002")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(target, attr, _fail_for_step_2(getattr(target, attr), exc))
+        events: list[dict] = []
+        result = ckpt.load(blank_state(), any_root, on_event=events.append)
+    assert result.step == 1
+    assert [e["event"] for e in events] == ["ckpt_fallback", "ckpt_loaded"]
+    assert str(exc) in events[0]["reason"]
+
+    assert _names(any_root) == ["checkpoint_0000001", "checkpoint_0000002"]
+    assert _files(any_root, "checkpoint_0000002") == before
+    loaded = blank_state()
+    assert ckpt.load(loaded, any_root).step == 2  # the trouble passed: the newest loads again
+    assert torch.equal(loaded["model"]["w"], newest["model"]["w"])
 
 
 def test_ls_shows_quarantined_and_gc_removes_them_only_when_asked(tmp_root, capsys):

@@ -17,7 +17,7 @@ import logging
 import sys
 
 import ckpt
-from elastic.identity import RunIdentity, restart_setup_problem
+from elastic.identity import RunIdentity
 from elastic.process import exit_now
 from trainer.cli import build_parser, config_from_args
 from trainer.data import BatchLayout, BatchLayoutError
@@ -53,9 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     _setup_logging(identity.rank)
-    problem = restart_setup_problem()
-    if problem is not None and identity.rank == 0:
-        logger.warning("rank 0: %s", problem)
     try:
         # Fail before the rendezvous: every rank knows the world size from the environment.
         BatchLayout.plan(cfg.data.global_batch, cfg.data.micro_batch, identity.world_size)

@@ -150,6 +150,11 @@ class CheckpointConfig:
     max_failures: int = 3
     """Stop the job (exit 1) after this many checkpoint saves failed in a row; 0 never
     stops. A failed final save always stops it."""
+    keep_last: int = 3
+    """Retention: keep the newest N committed checkpoints, delete older ones after each
+    commit (never the one resumed from); 0 keeps every checkpoint."""
+    keep_every: int = 0
+    """Retention: also keep, forever, checkpoints whose step is a multiple of N (0: none)."""
     async_save: bool = False
     """Return to training once the state is staged in host memory; upload and commit in
     the background (one save in flight; emergency and final saves are synchronous)."""
@@ -161,6 +166,10 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+        _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last,
+                 "must be >= 0 (0 keeps every checkpoint)")  # fmt: skip
+        _require(self.keep_every >= 0, "checkpoint.keep_every", self.keep_every,
+                 "must be >= 0 (0: no step kept forever)")  # fmt: skip
         _require(self.resume in (True, False, "must"), "checkpoint.resume", self.resume,
                  "must be true, false or \"must\"")  # fmt: skip
         _require(self.max_failures >= 0, "checkpoint.max_failures", self.max_failures,

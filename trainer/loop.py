@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from ckpt import CheckpointManager
+from ckpt import CheckpointManager, RetentionPolicy
 from elastic.guard import Preempted, RunGuard
 from trainer.build import build_model, build_optimizer
 from trainer.config import TrainConfig
@@ -214,8 +214,18 @@ def build_checkpoints(
         # Memory tier (0: off): snapshots in node memory every N steps, newer than `every`.
         memory_every=cfg.checkpoint.memory_every,
         max_failures=cfg.checkpoint.max_failures,
+        retention=retention_policy(cfg),
     )
     return manager
+
+
+def retention_policy(cfg: TrainConfig) -> RetentionPolicy | None:
+    """``checkpoint.keep_last`` / ``keep_every`` as a policy (None: keep every checkpoint)."""
+    if cfg.checkpoint.keep_last == 0:
+        return None
+    return RetentionPolicy(
+        keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every or None
+    )
 
 
 def resume(
@@ -238,15 +248,8 @@ def resume(
     progress.step = int(resumed.metadata["step"])
     progress.cursor = int(resumed.metadata["data_cursor"])
     progress.world_sizes = [int(w) for w in resumed.metadata.get("world_sizes", [])]
-    if ctx.is_main:
-        rng_note = (
-            "restored per rank" if resumed.rng_restored else "re-derived from (seed, step, rank)"
-        )
-        logger.info(
-            "rank 0: resumed step %d from %s (world size %d -> %d, data cursor %d, RNG %s, %.2fs)",
-            resumed.step, resumed.url, resumed.old_world_size, resumed.new_world_size,
-            progress.cursor, rng_note, resumed.duration_s,
-        )  # fmt: skip
+    if ctx.is_main:  # the manager said the resume itself at WARNING
+        logger.info("rank 0: data cursor %d after step %d", progress.cursor, progress.step)
 
 
 def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainProgress:
