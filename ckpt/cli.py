@@ -13,10 +13,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ckpt.discovery import PARTIAL, QUARANTINED, list_checkpoints, resolve
+from ckpt.discovery import PARTIAL, QUARANTINED, Catalog, resolve
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.layout import DCP_METADATA_NAME
-from ckpt.quarantine import list_quarantined
 from ckpt.reader import ShardReader, load_metadata
 from ckpt.retention import RetentionPolicy, apply_retention
 from ckpt.storage import Storage
@@ -37,10 +36,9 @@ def human_bytes(n: float) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    storage = Storage(args.url)
-    entries = storage.list_dir()
-    infos = list_checkpoints(storage, entries)
-    aside = list_quarantined(storage, entries)
+    catalog = Catalog(Storage(args.url))  # one listing for checkpoints and quarantined ones
+    infos = list(catalog)
+    aside = catalog.quarantined()
     if args.json:
         rows = [
             {
@@ -211,13 +209,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def _gc_quarantined(storage: Storage, args: argparse.Namespace, verb: str) -> int:
     """Delete quarantined checkpoints (``--quarantined``), or say how many are kept."""
-    entries = storage.list_dir()
-    aside = [(q.dirname, q.step, q.reason) for q in list_quarantined(storage, entries)]
-    aside += [
-        (i.dirname, i.step, i.reason)
-        for i in list_checkpoints(storage, entries)
-        if i.status == QUARANTINED
-    ]
+    catalog = Catalog(storage)
+    aside = [(q.dirname, q.step, q.reason) for q in catalog.quarantined()]
+    aside += [(i.dirname, i.step, i.reason) for i in catalog if i.status == QUARANTINED]
     if not args.quarantined:
         if aside:
             print(

@@ -148,9 +148,9 @@ class CheckpointManager:
 
     Retention: ``retention`` (default :data:`~ckpt.retention.DEFAULT_RETENTION`, keep
     the newest 3; ``None`` keeps everything) is applied by the coordinator after every
-    commit, never to the checkpoint this run resumed from, to a partial directory
-    newer than the newest commit (a save in flight) or to a quarantined one; the
-    policy is said at WARNING on rank 0 when the manager is built.
+    commit, never to the checkpoint this run resumed from before a newer commit, to a
+    partial directory newer than the newest commit (a save in flight) or to a
+    quarantined one; the policy is said at WARNING on rank 0 when the manager is built.
 
     Failed saves: ``max_failures`` (default 3; 0: never stop) durable saves failing in a
     row make :meth:`maybe_save` raise :class:`~ckpt.errors.TooManySaveFailuresError` on
@@ -504,7 +504,8 @@ class CheckpointManager:
     ) -> int:
         """Push a loaded checkpoint into the objects, set RNG, record and report the resume."""
         self.app.load(template, skip_optimizers=fresh)
-        if tier == "durable" and self.retention is not None:  # never prune what we resumed from
+        # Never prune what we resumed from before this run commits a newer checkpoint.
+        if tier == "durable" and self.retention is not None:
             self.retention = dataclasses.replace(
                 self.retention, protect=frozenset({int(result.step)})
             )
@@ -783,6 +784,7 @@ class CheckpointManager:
         self.last_save_s = time.monotonic() - started
         self.last_committed_step = step
         self.consecutive_failures = 0
+        self._release_protection()
         if self.rank == 0:
             logger.info("rank 0 step %d: checkpoint committed at %s", step, result)
         return result
@@ -813,6 +815,7 @@ class CheckpointManager:
         self.last_save_s = pending.duration_s
         self.last_committed_step = pending.step
         self.consecutive_failures = 0
+        self._release_protection()
 
     def _report_failure(self, step: int, exc: CheckpointError, *, emergency: bool = False) -> None:
         """Count, log and report a failed save (every rank: saves fail on every rank at once)."""
@@ -840,6 +843,11 @@ class CheckpointManager:
             consecutive=self.consecutive_failures,
             **({"emergency": True} if emergency else {}),
         )
+
+    def _release_protection(self) -> None:
+        """A newer commit exists: the checkpoint resumed from ages out like any other."""
+        if self.retention is not None and self.retention.protect:
+            self.retention = dataclasses.replace(self.retention, protect=frozenset())
 
     def _failing(self) -> bool:
         return bool(self.max_failures) and self.consecutive_failures >= self.max_failures

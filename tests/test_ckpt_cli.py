@@ -179,9 +179,11 @@ def test_module_entry_point_and_help():
 def test_a_reader_gone_before_any_output_gets_no_traceback(populated, command):
     """`python -m ckpt ... | head -0`-like: the pipe is closed before the first write.
 
-    Small outputs are written only at the final flush, after the command returned; that
-    flush must be inside the CLI's handling too, or Python prints "Exception ignored".
+    With Python's default buffered stdout, a small output is written only at the final
+    flush, after the command returned; that flush must be inside the CLI's handling too,
+    or Python prints "Exception ignored ... BrokenPipeError" and exits 120.
     """
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
@@ -190,6 +192,7 @@ def test_a_reader_gone_before_any_output_gets_no_traceback(populated, command):
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,
+            env=env,
             timeout=60,
             check=False,
         )

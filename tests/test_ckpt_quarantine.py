@@ -29,7 +29,12 @@ from ckpt.errors import (
     UncommittedCheckpointError,
 )
 from ckpt.layout import COMPLETE_NAME, QUARANTINE_MARKER_NAME
-from ckpt.quarantine import list_quarantined, parse_quarantined_dirname, should_quarantine
+from ckpt.quarantine import (
+    list_quarantined,
+    parse_quarantined_dirname,
+    quarantine,
+    should_quarantine,
+)
 from ckpt.reader import ShardReader
 from ckpt.retention import RetentionPolicy, apply_retention
 from ckpt.storage import Storage
@@ -134,6 +139,67 @@ def test_interrupted_quarantine_is_never_resumed_nor_deleted(any_root):
     loaded = blank_state()
     assert ckpt.load(loaded, any_root, step=2).step == 2
     assert torch.equal(loaded["model"]["w"], make_state(5)["model"]["w"])
+
+
+class _Killed(BaseException):
+    """Stands for the process dying at this point: nothing after it runs, no clean-up."""
+
+
+@pytest.fixture(params=["memory", "gcs"])
+def object_store_root(request) -> str:
+    if request.param == "memory":
+        return f"memory://quarantine-{os.urandom(6).hex()}/run"
+    return request.getfixturevalue("gcs_root")
+
+
+def test_a_move_killed_half_way_on_an_object_store_is_never_resumed_and_is_finished_later(
+    object_store_root, monkeypatch
+):
+    """On object stores the move is copy-then-delete; a kill between copies tears nothing."""
+    root = object_store_root
+    ckpt.save(make_state(1), root, 1)
+    ckpt.save(make_state(2), root, 2)
+    _corrupt_flip(root, "checkpoint_0000002/rank_00000.distcp")
+    before = _files(root, "checkpoint_0000002")
+
+    storage = Storage(root)
+    real_copy = storage.fs.copy
+    copied: list[str] = []
+
+    def copy_then_die(src, dst, *args, **kwargs):
+        if len(copied) == 2:
+            raise _Killed
+        copied.append(dst)
+        return real_copy(src, dst, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(storage.fs, "copy", copy_then_die)
+        with pytest.raises(_Killed):
+            quarantine(storage, 2, "rank_00000.distcp: bad crc32c", "rank_00000.distcp")
+    assert len(copied) == 2
+
+    # The source is whole but no longer committed; resume passes over it (no fallback,
+    # nothing to quarantine again) and neither a second copy nor the source is deleted.
+    assert {i.step: i.status for i in list_checkpoints(root)} == {2: QUARANTINED, 1: "committed"}
+    events: list[dict] = []
+    assert ckpt.load(blank_state(), root, on_event=events.append).step == 1
+    assert [e["event"] for e in events] == ["ckpt_loaded"]
+    in_place = _files(root, "checkpoint_0000002")
+    assert set(in_place) == set(before) - {COMPLETE_NAME} | {QUARANTINE_MARKER_NAME}
+    assert all(in_place[k] == before[k] for k in set(before) - {COMPLETE_NAME})
+
+    # The next save of step 2 finishes the move onto the same name, then commits.
+    again = make_state(22)
+    ckpt.save(again, root, 2)
+    [aside] = [n for n in _names(root) if parse_quarantined_dirname(n) == 2]
+    kept = _files(root, aside)
+    assert {k: v for k, v in kept.items() if k != QUARANTINE_MARKER_NAME} == {
+        k: v for k, v in before.items() if k != COMPLETE_NAME
+    }
+    assert json.loads(kept[QUARANTINE_MARKER_NAME])["path"] == "rank_00000.distcp"
+    loaded = blank_state()
+    assert ckpt.load(loaded, root).step == 2
+    assert torch.equal(loaded["model"]["w"], again["model"]["w"])
 
 
 def test_only_damage_quarantines_not_storage_trouble():

@@ -152,7 +152,7 @@ class CheckpointConfig:
     stops. A failed final save always stops it."""
     keep_last: int = 3
     """Retention: keep the newest N committed checkpoints, delete older ones after each
-    commit (never the one resumed from); 0 keeps every checkpoint."""
+    commit (the one resumed from survives the first); 0 keeps every checkpoint."""
     keep_every: int = 0
     """Retention: also keep, forever, checkpoints whose step is a multiple of N (0: none)."""
     async_save: bool = False
