@@ -11,12 +11,14 @@ import pytest
 
 from trainer.__main__ import main as trainer_main
 from trainer.report import (
+    Attempt,
     RunReportError,
     format_summary,
     load_run_dir,
     main,
     summarize,
     timeline_marks,
+    transition_label,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -265,3 +267,25 @@ def test_cli_missing_dir_exits_2(tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and missing in err
+
+
+def _attempt(restart: int, world: int) -> Attempt:
+    return Attempt(
+        index=0, restart_count=restart, world_size=world, first_step=1, last_step=2, rows=2,
+        start_s=0.0, end_s=1.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("prev", "nxt", "label"),
+    [
+        ((0, 2), (1, 2), "restart 1"),
+        ((0, 2), (1, 1), "restart 1, world 2 -> 1"),
+        ((1, 2), (1, 3), "membership change, world 2 -> 3"),  # a node joined: no restart used
+        ((1, 3), (1, 3), "membership change"),
+        ((2, 2), (0, 2), "relaunch"),
+        ((2, 2), (0, 4), "relaunch, world 2 -> 4"),
+    ],
+)
+def test_a_node_joining_is_a_membership_change_not_another_restart(prev, nxt, label):
+    assert transition_label(_attempt(*prev), _attempt(*nxt)) == label

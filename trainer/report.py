@@ -306,6 +306,23 @@ def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+def transition_label(prev: Attempt, nxt: Attempt) -> str:
+    """What ended ``prev`` and started ``nxt``, as the timeline names it.
+
+    torchrun restarts the worker group both after a failure and when a node joins or
+    leaves; only a failure uses up a restart (``TORCHELASTIC_RESTART_COUNT`` grows). So
+    a new world size at the same restart count is a membership change, not "restart N"
+    again; a lower restart count is a new launch of the job.
+    """
+    resized = nxt.world_size != prev.world_size
+    sizes = f"world {prev.world_size} -> {nxt.world_size}"
+    if nxt.restart_count > prev.restart_count:
+        return f"restart {nxt.restart_count}" + (f", {sizes}" if resized else "")
+    if nxt.restart_count < prev.restart_count:
+        return "relaunch" + (f", {sizes}" if resized else "")
+    return f"membership change, {sizes}" if resized else "membership change"
+
+
 def world_size_segments(summary: RunSummary) -> list[tuple[int, float, float]]:
     """Consecutive attempts with the same world size merged: ``(world_size, from_s, to_s)``."""
     segments: list[tuple[int, float, float]] = []
@@ -535,7 +552,7 @@ def plot_timeline(
                 ha="center", va="bottom", fontsize=10, color="darkred",
             )  # fmt: skip
         ax.annotate(
-            f"restart {nxt.restart_count}\nresume at step {nxt.first_step - 1}",
+            f"{transition_label(prev, nxt)}\nresume at step {nxt.first_step - 1}",
             xy=(prev.end_s, top), xytext=(4, -4), textcoords="offset points",
             va="top", ha="left", fontsize=9, color="red",
         )  # fmt: skip
