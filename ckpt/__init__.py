@@ -58,6 +58,7 @@ from ckpt.errors import (
 from ckpt.faults import FaultRegistry, StorageFault
 from ckpt.manager import CheckpointManager, ResumeInfo
 from ckpt.manifest import Attempt, CompleteMarker, Manifest
+from ckpt.per_rank import PerRank
 from ckpt.restore import LoadResult, SkippedCheckpoint, load
 from ckpt.retention import RetentionPlan, RetentionPolicy, apply_retention, plan_retention
 from ckpt.storage import Storage, StorageOptions
@@ -82,6 +83,7 @@ __all__ = [
     "Manifest",
     "NoLoadableCheckpointError",
     "PendingSave",
+    "PerRank",
     "ResumeInfo",
     "RetentionPlan",
     "RetentionPolicy",

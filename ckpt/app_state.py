@@ -11,8 +11,12 @@ Each value is one of:
 - any ``Stateful`` (``state_dict()`` and ``load_state_dict()``: LR schedulers, samplers,
   your own objects): its state dict, which must be the same on every rank (DCP keeps
   one copy of a non-tensor item);
-- a plain value (``int``, ``float``, ``str``, ``bool``, ``None``, lists and dicts of
-  them): saved as is and put back into the dict on load.
+- a plain value (``int``, ``float``, ``str``, ``bool``, ``None``, tensors, lists and
+  dicts of them): saved as is and put back into the dict on load (tensors are loaded
+  in place, so a dict of tensors the script holds is updated);
+- any of these wrapped in :class:`~ckpt.per_rank.PerRank`: its tensors are saved for
+  each rank apart (plain tensors that differ across ranks are detected and saved per
+  rank anyway, see :mod:`ckpt.per_rank`).
 
 Two traps are handled here. DCP's ``get_optimizer_state_dict`` on an optimizer that has
 not stepped yet runs a zero-learning-rate ``step()`` to create its state, which sets
@@ -35,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ckpt.per_rank import PER_RANK_KEY, PerRank
 from ckpt.rng import RNG_STATE_KEY
 
 PLAIN_TYPES = (int, float, str, bool, type(None))
@@ -52,8 +57,8 @@ def is_stateful(obj: Any) -> bool:
 
 
 def _is_plain(value: Any) -> bool:
-    if isinstance(value, PLAIN_TYPES):
-        return True
+    if isinstance(value, (*PLAIN_TYPES, torch.Tensor)):
+        return True  # a tensor in a plain dict is loaded in place, so the dict stays yours
     if isinstance(value, list | tuple):
         return all(_is_plain(v) for v in value)
     if isinstance(value, dict):
@@ -72,6 +77,8 @@ class AppState:
     )
     statefuls: dict[str, Any] = field(default_factory=dict)
     plain: list[str] = field(default_factory=list)
+    per_rank: list[str] = field(default_factory=list)
+    """Keys declared :class:`~ckpt.per_rank.PerRank`: every tensor under them is per rank."""
 
     @classmethod
     def classify(cls, objects: dict[str, Any]) -> AppState:
@@ -81,13 +88,20 @@ class AppState:
                 "state must be a non-empty dict of name -> model, optimizer, scheduler, "
                 f"Stateful or plain value, got {type(objects).__name__}"
             )
-        app = cls(objects)
+        unwrapped = {}
+        declared = []
         for key, value in objects.items():
+            if isinstance(value, PerRank):
+                declared.append(key)
+                value = value.obj
+            unwrapped[key] = value
+        app = cls(objects, per_rank=declared)
+        for key, value in unwrapped.items():
             if not isinstance(key, str) or not key or "." in key or "/" in key:
                 raise StateSpecError(f"state key {key!r}: use a non-empty str without '.' or '/'")
-            if key == RNG_STATE_KEY:
+            if key in (RNG_STATE_KEY, PER_RANK_KEY):
                 raise StateSpecError(
-                    f"state key {key!r} is reserved for the per-rank RNG state the manager saves"
+                    f"state key {key!r} is reserved for the per-rank state the manager saves"
                 )
             if isinstance(value, torch.nn.Module):
                 app.modules[key] = value
@@ -101,7 +115,7 @@ class AppState:
                 raise StateSpecError(
                     f"state[{key!r}] is a {type(value).__name__}: give an nn.Module, an "
                     "optimizer, an object with state_dict()/load_state_dict(), or a plain "
-                    "value (int, float, str, bool, None, lists/dicts of them)"
+                    "value (int, float, str, bool, None, tensors, lists/dicts of them)"
                 )
         for key, (optim, _) in list(app.optimizers.items()):
             app.optimizers[key] = (optim, app._owner_of(key, optim))
@@ -134,7 +148,8 @@ class AppState:
         for key, obj in self.statefuls.items():
             out[key] = obj.state_dict()
         for key in self.plain:
-            out[key] = self.objects[key]
+            value = self.objects[key]
+            out[key] = value.obj if isinstance(value, PerRank) else value
         return out
 
     # -- load ----------------------------------------------------------------------------
@@ -149,7 +164,10 @@ class AppState:
         for key, obj in self.statefuls.items():
             obj.load_state_dict(loaded[key])
         for key in self.plain:
-            self.objects[key] = loaded[key]
+            if isinstance(self.objects[key], PerRank):
+                self.objects[key].obj = loaded[key]
+            else:
+                self.objects[key] = loaded[key]
 
     # -- descriptions ------------------------------------------------------------------
 

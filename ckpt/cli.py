@@ -15,11 +15,14 @@ from collections.abc import Sequence
 
 from ckpt.discovery import PARTIAL, QUARANTINED, Catalog, resolve
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
-from ckpt.layout import DCP_METADATA_NAME
+from ckpt.layout import DCP_METADATA_NAME, MANIFEST_NAME
+from ckpt.manifest import Manifest
+from ckpt.quarantine import parse_quarantined_dirname
+from ckpt.quarantine import read_record as read_quarantine_record
 from ckpt.reader import ShardReader, load_metadata
 from ckpt.retention import RetentionPolicy, apply_retention
 from ckpt.storage import Storage
-from ckpt.verify import MODE_CHECKSUM, MODE_DEEP, MODE_FAST, verify_dir
+from ckpt.verify import MODE_CHECKSUM, MODE_DEEP, MODE_FAST, VerifyReport, verify_dir
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -86,19 +89,50 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _verify_as_resume_would(ckpt_dir: Storage, manifest: Manifest, mode: str) -> VerifyReport:
+    """``verify_dir``, then what a resume checks next: ``.metadata`` decodes with the
+    safe loader (no code runs). OK means loadable."""
+    report = verify_dir(ckpt_dir, manifest, mode=mode)
+    if report.ok:
+        try:
+            ShardReader(ckpt_dir, manifest).fetch_metadata()
+        except CheckpointError as exc:
+            report.problems.append((DCP_METADATA_NAME, f"not loadable: {exc}"))
+    return report
+
+
+def _verify_quarantined(url: str, mode: str) -> int:
+    """Forensics: check a quarantined directory's files against its own manifest.json."""
+    parent, dirname = url.rsplit("/", 1)
+    ckpt_dir = Storage(url)
+    reason = read_quarantine_record(Storage(parent), dirname).get("reason", "no QUARANTINED record")
+    try:
+        manifest = Manifest.from_bytes(ckpt_dir.read_bytes(MANIFEST_NAME), url=url)
+    except CheckpointError as exc:
+        print(f"FAIL  {url} (quarantined: {reason}): manifest.json unreadable: {exc}")
+        return EXIT_FAILED
+    report = _verify_as_resume_would(ckpt_dir, manifest, mode)
+    if not report.ok:
+        print(f"FAIL  {url} (step {manifest.step}, {mode}; quarantined: {reason}):")
+        for path, why in report.problems:
+            print(f"      {path}: {why}")
+        return EXIT_FAILED
+    print(
+        f"OK    {url} (step {manifest.step}, {mode}: {report.files_checked} files verify now; "
+        f"it was quarantined for: {reason})"
+    )
+    return EXIT_OK
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    mode = MODE_DEEP if args.deep else MODE_FAST if args.fast else MODE_CHECKSUM
+    if parse_quarantined_dirname(args.url) is not None:
+        return _verify_quarantined(args.url.rstrip("/"), mode)
     storage, info = resolve(args.url, args.step)
     if not info.committed or info.manifest is None:
         print(f"FAIL  {info.url}: not committed: {info.reason}")
         return EXIT_FAILED
-    mode = MODE_DEEP if args.deep else MODE_FAST if args.fast else MODE_CHECKSUM
-    report = verify_dir(storage.child(info.dirname), info.manifest, mode=mode)
-    if report.ok:
-        # What a resume checks next: .metadata decodes with the safe loader (no code runs).
-        try:
-            ShardReader(storage.child(info.dirname), info.manifest).fetch_metadata()
-        except CheckpointError as exc:
-            report.problems.append((DCP_METADATA_NAME, f"not loadable: {exc}"))
+    report = _verify_as_resume_would(storage.child(info.dirname), info.manifest, mode)
     if not report.ok:
         print(f"FAIL  {info.url} (step {info.step}, {mode}):")
         for path, why in report.problems:
@@ -252,7 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check every file of a committed checkpoint against its manifest. "
         "Default: each file's size and crc32c; the crc32c is the one the backend reports "
         "for the object where it has one (GCS: nothing is downloaded), otherwise the file "
-        "is read and checksummed (local files, file://, memory://).",
+        "is read and checksummed (local files, file://, memory://). Then .metadata is "
+        "decoded with the loader a resume uses (no code runs): OK means loadable. A "
+        "quarantined directory's URL (checkpoint_N.quarantined-STAMP) is checked against "
+        "its own manifest.json, for forensics.",
     )
     p.add_argument("url")
     p.add_argument("--step", type=int, help="verify this step instead of the newest committed")

@@ -41,6 +41,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ckpt import async_save as _async
 from ckpt import dist as _dist
 from ckpt import memory_restore as _memory_restore
+from ckpt import per_rank
 from ckpt import root_check as _root_check
 from ckpt.app_state import AppState, shape_mismatch
 from ckpt.commit import save as _save
@@ -231,6 +232,8 @@ class CheckpointManager:
         self._saves_in_flight: dict[int, dict[str, Any]] = {}
         self._shapes: dict[str, dict[str, list[int]]] | None = None
         self._data_marks: dict[str, tuple[int, int]] = {}
+        self._per_rank_paths: set[str] = set()
+        """State paths saved per rank (``ckpt.per_rank``): detected or declared."""
         """Per sampler key: (step, cursor) at the last save or resume (advance() guard)."""
         self.max_failures = max_failures
         if self.rank == 0:
@@ -352,7 +355,10 @@ class CheckpointManager:
         started = time.monotonic()
         fresh = [k for k in record.get("fresh_optimizers", []) if k in self.app.optimizers]
         want_rng = self.rng and saved_world == self.world_size
-        result, template, rng_loaded = self._load(fresh, want_rng, catalog=catalog)
+        layout = self._per_rank_layout(record, saved_world)
+        result, template, rng_loaded = self._load(
+            fresh, want_rng, catalog=catalog, per_rank_layout=layout
+        )
         if result is None:  # every committed checkpoint vanished between listing and loading
             return self._nothing_to_resume(must)
         loaded_step = self._finish_resume(result, template, rng_loaded, fresh, started, "durable")
@@ -399,7 +405,8 @@ class CheckpointManager:
                 and cand.manifest.world_size == self.world_size
             )
             try:
-                result, template = self._load_memory(cand, fresh, want_rng, timings, notes)
+                layout = self._per_rank_layout(record, cand.manifest.world_size)
+                result, template = self._load_memory(cand, fresh, want_rng, timings, notes, layout)
             except CheckpointError as exc:
                 notes.append(f"memory step {cand.step} rejected: {exc}")
                 if self.rank == 0:
@@ -432,12 +439,14 @@ class CheckpointManager:
         want_rng: bool,
         timings: dict[str, float],
         notes: list[str],
+        per_rank_layout: tuple[list[str], int] = ([], 0),
     ) -> tuple[LoadResult, dict[str, Any]]:
         """Assemble and load one memory snapshot (collective); a first failure is retried
         once with every copy's crc32c checked first (a corrupt copy, a good replica)."""
         tier = self._memory
         assert tier is not None
         template = self.app.state_dict(skip_optimizers=fresh)
+        per_rank.move_out(template, *per_rank_layout)
         if want_rng:
             template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
         for verify in (False, True):
@@ -464,6 +473,7 @@ class CheckpointManager:
                 restore.release()
             timings["load_s"] = time.monotonic() - started - timings["assemble_s"]
             assert result is not None
+            per_rank.move_back(template, *per_rank_layout)
             return result, template
         raise AssertionError("unreachable")
 
@@ -564,19 +574,39 @@ class CheckpointManager:
         step: int | None = None,
         tier: str = "durable",
         catalog: Catalog | None = None,
+        per_rank_layout: tuple[list[str], int] = ([], 0),
     ) -> tuple[LoadResult | None, dict[str, Any], bool]:
         template = self.app.state_dict(skip_optimizers=fresh)
+        per_rank.move_out(template, *per_rank_layout)
         if want_rng:
             template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
         try:
-            return self._load_into(template, root, step, tier, catalog), template, want_rng
+            result = self._load_into(template, root, step, tier, catalog)
         except StateMismatchError as exc:
             if not want_rng:
                 raise
             # A fallback landed on a checkpoint of another world size (no RNG key for us).
             logger.warning("rank %d: retrying the load without RNG state: %s", self.rank, exc)
             template.pop(RNG_STATE_KEY)
-            return self._load_into(template, root, step, tier, catalog), template, False
+            want_rng = False
+            result = self._load_into(template, root, step, tier, catalog)
+        if result is not None:
+            per_rank.move_back(template, *per_rank_layout)
+        return result, template, want_rng
+
+    def _per_rank_layout(self, record: dict[str, Any], saved_world: int) -> tuple[list[str], int]:
+        """Which per-rank paths a checkpoint holds and whose copy this rank loads (and say so)."""
+        paths = [str(p) for p in record.get("per_rank", [])]
+        self._per_rank_paths = set(paths)
+        source = per_rank.source_rank(self.rank, int(saved_world), self.world_size)
+        if paths and int(saved_world) != self.world_size and self.rank == 0:
+            logger.warning(
+                "rank 0: per-rank state %s was saved by %d ranks and is loaded by %d: rank r "
+                "takes the copy of saved rank r %% %d",
+                ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else ""),
+                saved_world, self.world_size, saved_world,
+            )  # fmt: skip
+        return paths, source
 
     def _load_into(
         self,
@@ -676,6 +706,7 @@ class CheckpointManager:
             self._shapes = self.app.tensor_shapes()
         fresh = self.app.fresh_optimizers()
         state = self.app.state_dict(skip_optimizers=fresh)
+        per_rank.move_out(state, sorted(self._per_rank_paths), self.rank)
         if self.rng:
             state[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
         user_meta = self._metadata(step) if callable(self._metadata) else self._metadata
@@ -686,10 +717,41 @@ class CheckpointManager:
                 "fresh_optimizers": fresh,
                 "rng": self.rng,
                 "shapes": self._shapes,
+                "per_rank": sorted(self._per_rank_paths),
                 **({"data_position": positions} if positions else {}),
             },
         }
         return state, meta, fresh
+
+    def _detect_per_rank(self, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Find plain tensors that differ across ranks; save them per rank (collective).
+
+        One all_gather of per-tensor crc32c strings through the checkpoint group, in the
+        caller's thread with no save in flight. Tensors under :class:`PerRank` keys are
+        per rank without comparing. Paths found stay per rank for the rest of the run.
+        """
+        declared = {
+            path
+            for path in per_rank.plain_tensors(state, skip=(RNG_STATE_KEY, per_rank.PER_RANK_KEY))
+            if path.split(per_rank.PATH_SEP, 1)[0] in self.app.per_rank
+        }
+        found = set(declared)
+        if self.world_size > 1:
+            mine = per_rank.digests(
+                per_rank.plain_tensors(state, skip=(RNG_STATE_KEY, per_rank.PER_RANK_KEY))
+            )
+            found |= per_rank.differing(_dist.Collective(self._group).all_gather(mine))
+        new = sorted(found - self._per_rank_paths)
+        if not new:
+            return
+        per_rank.move_out(state, new, self.rank)
+        self._per_rank_paths |= set(new)
+        meta[MANAGER_META_KEY]["per_rank"] = sorted(self._per_rank_paths)
+        if self.rank == 0:
+            logger.warning(
+                "rank 0: saving per rank (they differ between ranks or are declared PerRank): %s",
+                ", ".join(new[:8]) + (f" and {len(new) - 8} more" if len(new) > 8 else ""),
+            )
 
     def _samplers(self) -> dict[str, Any]:
         """Stateful data positions in the state (``elastic.ElasticSampler``: ``data_position()``)."""
@@ -750,6 +812,7 @@ class CheckpointManager:
             return None  # the caller stops the job: no new save to wait for
         started = time.monotonic()
         state, meta, fresh = captured if captured is not None else self._capture(step)
+        self._detect_per_rank(state, meta)
         extra = {"emergency": True} if emergency else {}
         background = not blocking
         try:

@@ -92,9 +92,11 @@ def load(
     Collective. With ``step``, only that checkpoint is tried (no fallback). With
     ``missing_ok``, returns None when ``root`` holds no committed checkpoint at all;
     otherwise raises :class:`~ckpt.errors.CheckpointNotFoundError`. With
-    ``quarantine`` (the default), a committed checkpoint that fails verification is
-    set aside by the coordinator before the fallback (:mod:`ckpt.quarantine`), so
-    its step can be committed again instead of failing every later save.
+    ``quarantine`` (the default), a committed checkpoint found damaged is set aside
+    by the coordinator before the fallback (:mod:`ckpt.quarantine`), so its step can
+    be committed again instead of failing every later save; a root left with
+    quarantined checkpoints and no committed one raises
+    :class:`~ckpt.errors.NoLoadableCheckpointError` even with ``missing_ok``.
     ``catalog``: the coordinator's listing of ``root`` when the caller already made
     one (:class:`~ckpt.discovery.Catalog`; what it read is not read again); other
     ranks ignore it. Without it, the coordinator lists ``root`` once.
@@ -205,6 +207,20 @@ def load(
             skipped=skipped,
         )
     if not skipped:
+        aside = coll.on_coordinator(
+            f"looking for quarantined checkpoints under {root}",
+            lambda: _quarantined_steps(cat, uncommitted),
+        )
+        if aside:
+            # Every checkpoint a run made was set aside as damaged: starting from step 0
+            # would throw that run's work away without anyone deciding to.
+            raise NoLoadableCheckpointError(
+                f"{root} holds no committed checkpoint, only quarantined ones (steps "
+                f"{aside[:5]}) that a resume set aside as damaged. Nothing was started from "
+                f"scratch. See why with `python -m ckpt ls {root}`; to start from step 0 on "
+                f"purpose, delete them first with `python -m ckpt gc --quarantined {root}`.",
+                [(s, "quarantined") for s in aside],
+            )
         if uncommitted and coll.is_coordinator:
             logger.warning(
                 "ckpt: %s holds %d partial checkpoint(s) (steps %s) and no committed one",
@@ -240,11 +256,13 @@ def _set_aside(
         cat.mark(skip.step, QUARANTINED, skip.reason)
         logger.warning(
             "ckpt: quarantined %s (%s); its files are kept at %s, step %d can be saved again "
-            "(`python -m ckpt gc --quarantined` removes them)",
+            "(`python -m ckpt verify %s` checks them, `python -m ckpt gc --quarantined` "
+            "removes them)",
             skip.url,
             skip.reason,
             kept.url,
             skip.step,
+            kept.url,
         )
         return kept.url
 
@@ -260,6 +278,12 @@ def _set_aside(
                 "reason": skip.reason,
             }
         )
+
+
+def _quarantined_steps(cat: Catalog, uncommitted: list[int]) -> list[int]:
+    """Coordinator: steps set aside under ``cat``'s root, moved or in place, newest first."""
+    in_place = [s for s in uncommitted if cat.info(s).status == QUARANTINED]
+    return sorted({*in_place, *(q.step for q in cat.quarantined())}, reverse=True)
 
 
 def _verified_manifest(cat: Catalog, step: int) -> Manifest | None:

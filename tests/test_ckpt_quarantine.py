@@ -202,6 +202,32 @@ def test_a_move_killed_half_way_on_an_object_store_is_never_resumed_and_is_finis
     assert torch.equal(loaded["model"]["w"], again["model"]["w"])
 
 
+@pytest.mark.parametrize("moved", [True, False], ids=["moved", "in-place"])
+def test_a_root_with_only_quarantined_checkpoints_never_starts_from_scratch(any_root, moved):
+    """The run's only checkpoint was set aside: the next resume stops, it does not start at 0."""
+    ckpt.save(make_state(1), any_root, 1)
+    _corrupt_flip(any_root, "checkpoint_0000001/rank_00000.distcp")
+    if moved:
+        with pytest.raises(ckpt.NoLoadableCheckpointError):
+            ckpt.load(blank_state(), any_root, missing_ok=True)  # quarantines it
+        assert "checkpoint_0000001" not in _names(any_root)
+    else:  # a quarantine killed before its move
+        write(any_root, f"checkpoint_0000001/{QUARANTINE_MARKER_NAME}", b'{"reason": "r"}')
+        Storage(any_root).remove(f"checkpoint_0000001/{COMPLETE_NAME}")
+
+    # The relaunch (a restart, or the user running the job again) sees no committed one.
+    with pytest.raises(ckpt.NoLoadableCheckpointError) as refused:
+        ckpt.load(blank_state(), any_root, missing_ok=True)
+    message = str(refused.value)
+    assert "only quarantined ones (steps [1])" in message
+    assert f"python -m ckpt gc --quarantined {any_root}" in message
+    assert refused.value.reasons == [(1, "quarantined")]
+
+    # Deleting them is the decision to start from step 0.
+    assert cli.main(["gc", any_root, "--quarantined"]) == 0
+    assert ckpt.load(blank_state(), any_root, missing_ok=True) is None
+
+
 def test_only_damage_quarantines_not_storage_trouble():
     assert should_quarantine(CorruptCheckpointError("bad crc32c"))
     assert not should_quarantine(UncommittedCheckpointError("pruned while listing"))
@@ -283,6 +309,28 @@ def test_ls_shows_quarantined_and_gc_removes_them_only_when_asked(tmp_root, caps
     assert cli.main(["gc", tmp_root, "--quarantined"]) == 0
     assert "1 quarantined deleted" in capsys.readouterr().out
     assert _names(tmp_root) == ["checkpoint_0000002"]
+
+
+def test_verify_of_a_quarantined_directory_names_the_damage(any_root, capsys):
+    """Forensics: a quarantined directory is checked against its own manifest.json."""
+    ckpt.save(make_state(1), any_root, 1)
+    ckpt.save(make_state(2), any_root, 2)
+    _corrupt_flip(any_root, "checkpoint_0000002/rank_00000.distcp")
+    assert ckpt.load(blank_state(), any_root).step == 1
+    [aside] = [n for n in _names(any_root) if parse_quarantined_dirname(n) == 2]
+    url = f"{any_root}/{aside}"
+    capsys.readouterr()
+
+    assert cli.main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAIL  {url} (step 2, checksum; quarantined: ")
+    assert "\n      rank_00000.distcp: crc32c of the bytes is" in out
+
+    # Repaired by hand (the flipped byte flipped back): it verifies; the reason is still said.
+    _corrupt_flip(any_root, f"{aside}/rank_00000.distcp")
+    assert cli.main(["verify", url]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"OK    {url} (step 2, checksum: ") and "quarantined for:" in out
 
 
 def test_gc_needs_a_policy_or_quarantined(tmp_root):

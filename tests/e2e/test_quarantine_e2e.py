@@ -32,7 +32,10 @@ TRAINER_ARGS = [
 ]  # fmt: skip
 
 
-def train(ckpt_dir: str, run_dir: str, max_steps: int) -> subprocess.CompletedProcess:
+def train(
+    ckpt_dir: str, run_dir: str, max_steps: int, *, ok: bool = True
+) -> subprocess.CompletedProcess:
+    """Two ranks under torchrun with ``--max_restarts=2``; asserts the exit code is 0 if ``ok``."""
     args = [*TRAINER_ARGS, "--max-steps", str(max_steps), "--ckpt-dir", ckpt_dir]
     try:
         result = torchrun_trainer(
@@ -40,7 +43,7 @@ def train(ckpt_dir: str, run_dir: str, max_steps: int) -> subprocess.CompletedPr
         )
     except RunTimeoutError as exc:
         pytest.fail(str(exc))
-    assert result.returncode == 0, result.stdout[-6000:]
+    assert (result.returncode == 0) == ok, result.stdout[-6000:]
     return result
 
 
@@ -102,3 +105,22 @@ def test_damaged_newest_checkpoint_is_quarantined_and_the_job_finishes_bitwise(r
     )
     rows = [(r["step"], r["status"]) for r in json.loads(listing.stdout)]
     assert rows == [(12, "committed"), (8, "committed"), (4, "committed"), (8, "quarantined")]
+
+
+def test_a_damaged_only_checkpoint_stops_every_attempt_instead_of_starting_over(tmp_path):
+    """Quarantine must not turn "nothing loads" into a fresh start on the next attempt."""
+    ckpt_dir, first_run, second_run = (str(tmp_path / n) for n in ("ckpt", "first", "second"))
+    train(ckpt_dir, first_run, 4)
+    flip_a_shard_byte(ckpt_dir, 4)
+    result = train(ckpt_dir, second_run, 8, ok=False)
+
+    # Attempt 0 quarantined the checkpoint and failed; attempts 1 and 2 found only the
+    # quarantined one and failed too: no step was trained, nothing new was committed.
+    assert result.stdout.count("only quarantined ones (steps [4])") >= 2, result.stdout[-4000:]
+    assert "python -m ckpt gc --quarantined" in result.stdout
+    metrics = os.path.join(second_run, "metrics.jsonl")
+    assert not os.path.exists(metrics) or not [m for m in jsonl(metrics) if "loss" in m]
+    names = os.listdir(ckpt_dir)
+    assert [n for n in names if n.startswith("checkpoint_")] == [
+        n for n in names if ".quarantined-" in n
+    ]
