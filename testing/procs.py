@@ -56,13 +56,17 @@ def torchrun_trainer(
     nproc: int = 2,
     max_restarts: int = 0,
     timeout_s: float = 90,
+    program: tuple[str, ...] = ("-m", "trainer"),
 ) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone --nproc_per_node=N -m trainer ARGS``, bounded (stdout+stderr)."""
+    """``torchrun --standalone --nproc_per_node=N -m trainer ARGS``, bounded (stdout+stderr).
+
+    ``program``: what torchrun runs instead of ``-m trainer`` (e.g. a script's path).
+    """
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_CLEAN_ENV}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}", "--monitor_interval=0.5",
-        "-m", "trainer", *args,
+        *program, *args,
     ]  # fmt: skip
     return run_bounded(cmd, env=env, cwd=cwd, timeout_s=timeout_s)
