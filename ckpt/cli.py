@@ -103,9 +103,11 @@ def _verify_as_resume_would(ckpt_dir: Storage, manifest: Manifest, mode: str) ->
 
 def _verify_quarantined(url: str, mode: str) -> int:
     """Forensics: check a quarantined directory's files against its own manifest.json."""
-    parent, dirname = url.rsplit("/", 1)
+    parent, _, dirname = url.rpartition("/")
     ckpt_dir = Storage(url)
-    reason = read_quarantine_record(Storage(parent), dirname).get("reason", "no QUARANTINED record")
+    reason = read_quarantine_record(Storage(parent or "."), dirname).get(
+        "reason", "no QUARANTINED record"
+    )
     try:
         manifest = Manifest.from_bytes(ckpt_dir.read_bytes(MANIFEST_NAME), url=url)
     except CheckpointError as exc:
@@ -117,9 +119,10 @@ def _verify_quarantined(url: str, mode: str) -> int:
         for path, why in report.problems:
             print(f"      {path}: {why}")
         return EXIT_FAILED
+    unchecked = f", {report.sizes_only} of them by size only" if report.sizes_only else ""
     print(
-        f"OK    {url} (step {manifest.step}, {mode}: {report.files_checked} files verify now; "
-        f"it was quarantined for: {reason})"
+        f"OK    {url} (step {manifest.step}, {mode}: {report.files_checked} files verify now"
+        f"{unchecked}; it was quarantined for: {reason})"
     )
     return EXIT_OK
 

@@ -60,7 +60,7 @@ from ckpt.errors import (
 )
 from ckpt.faults import FaultRegistry, parse_storage_faults
 from ckpt.memory_tier import MemoryTier, SnapshotError
-from ckpt.restore import LoadResult
+from ckpt.restore import LoadResult, refuse_only_quarantined
 from ckpt.restore import load as _load
 from ckpt.retention import DEFAULT_RETENTION, RetentionPolicy
 from ckpt.retention import describe as describe_retention
@@ -315,7 +315,8 @@ class CheckpointManager:
         reshard to this world size; a checkpoint that fails verification is reported
         (``fallback`` event) and the previous one is used. Raises
         :class:`~ckpt.errors.CheckpointShapeError` for a checkpoint of other shapes and
-        :class:`~ckpt.errors.NoLoadableCheckpointError` when none loads.
+        :class:`~ckpt.errors.NoLoadableCheckpointError` when none loads, or when the root
+        holds only quarantined ones (never a fresh start over damaged work).
         """
         self.check_root()
         coll = _dist.Collective(self._group)
@@ -344,6 +345,7 @@ class CheckpointManager:
                 return resumed
         if latest is None:
             self._tier_choice("none", 0, latest, notes)
+            refuse_only_quarantined(coll, catalog, self.root)  # damaged work is no fresh start
             return self._nothing_to_resume(must)
         step, saved_world, record, _, _ = latest
         problem = shape_mismatch(self.app.tensor_shapes(), record.get("shapes", {}))

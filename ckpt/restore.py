@@ -207,20 +207,7 @@ def load(
             skipped=skipped,
         )
     if not skipped:
-        aside = coll.on_coordinator(
-            f"looking for quarantined checkpoints under {root}",
-            lambda: _quarantined_steps(cat, uncommitted),
-        )
-        if aside:
-            # Every checkpoint a run made was set aside as damaged: starting from step 0
-            # would throw that run's work away without anyone deciding to.
-            raise NoLoadableCheckpointError(
-                f"{root} holds no committed checkpoint, only quarantined ones (steps "
-                f"{aside[:5]}) that a resume set aside as damaged. Nothing was started from "
-                f"scratch. See why with `python -m ckpt ls {root}`; to start from step 0 on "
-                f"purpose, delete them first with `python -m ckpt gc --quarantined {root}`.",
-                [(s, "quarantined") for s in aside],
-            )
+        refuse_only_quarantined(coll, cat, root)
         if uncommitted and coll.is_coordinator:
             logger.warning(
                 "ckpt: %s holds %d partial checkpoint(s) (steps %s) and no committed one",
@@ -280,10 +267,30 @@ def _set_aside(
         )
 
 
-def _quarantined_steps(cat: Catalog, uncommitted: list[int]) -> list[int]:
-    """Coordinator: steps set aside under ``cat``'s root, moved or in place, newest first."""
-    in_place = [s for s in uncommitted if cat.info(s).status == QUARANTINED]
-    return sorted({*in_place, *(q.step for q in cat.quarantined())}, reverse=True)
+def refuse_only_quarantined(coll: Collective, cat: Catalog, root: str) -> None:
+    """Collective, for a root without a committed checkpoint: raise if it holds quarantined ones.
+
+    Every checkpoint a run made was set aside as damaged: starting from step 0 would throw
+    that run's work away without anyone deciding to (the resume that quarantined them
+    raised :class:`~ckpt.errors.NoLoadableCheckpointError`; so does every later one).
+    ``cat`` is read on the coordinator only.
+    """
+
+    def quarantined_steps() -> list[int]:
+        in_place = [info.step for info in cat if info.status == QUARANTINED]
+        return sorted({*in_place, *(q.step for q in cat.quarantined())}, reverse=True)
+
+    aside = coll.on_coordinator(
+        f"looking for quarantined checkpoints under {root}", quarantined_steps
+    )
+    if aside:
+        raise NoLoadableCheckpointError(
+            f"{root} holds no committed checkpoint, only quarantined ones (steps {aside[:5]}) "
+            "that a resume set aside as damaged. Nothing was started from scratch. See why "
+            f"with `python -m ckpt ls {root}`; to start from step 0 on purpose, delete them "
+            f"first with `python -m ckpt gc --quarantined {root}`.",
+            [(step, "quarantined") for step in aside],
+        )
 
 
 def _verified_manifest(cat: Catalog, step: int) -> Manifest | None:

@@ -228,6 +228,26 @@ def test_a_root_with_only_quarantined_checkpoints_never_starts_from_scratch(any_
     assert ckpt.load(blank_state(), any_root, missing_ok=True) is None
 
 
+def test_the_manager_refuses_a_fresh_start_over_quarantined_work(tmp_root):
+    """CheckpointManager.resume (the trainer's path) applies the same rule as ckpt.load."""
+    model = torch.nn.Linear(4, 4)
+    manager = ckpt.CheckpointManager(tmp_root, {"model": model})
+    manager.save(3)
+    manager.close()
+    _corrupt_flip(tmp_root, "checkpoint_0000003/rank_00000.distcp")
+
+    for attempt in range(2):  # the resume that quarantines it, then the next one
+        manager = ckpt.CheckpointManager(tmp_root, {"model": torch.nn.Linear(4, 4)})
+        try:
+            with pytest.raises(ckpt.NoLoadableCheckpointError) as refused:
+                manager.resume()
+        finally:
+            manager.close()
+        assert ("only quarantined ones" in str(refused.value)) == (attempt == 1)
+    assert ckpt.find_latest_committed(tmp_root) is None
+    assert [q.step for q in list_quarantined(Storage(tmp_root))] == [3]
+
+
 def test_only_damage_quarantines_not_storage_trouble():
     assert should_quarantine(CorruptCheckpointError("bad crc32c"))
     assert not should_quarantine(UncommittedCheckpointError("pruned while listing"))

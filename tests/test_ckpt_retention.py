@@ -6,7 +6,13 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.retention import RetentionPolicy, apply_retention, plan_retention
+from ckpt.retention import (
+    DEFAULT_RETENTION,
+    RetentionPolicy,
+    apply_retention,
+    describe,
+    plan_retention,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,3 +96,35 @@ def test_save_with_retention_runs_in_the_background_on_the_coordinator(tmp_root)
     while time.monotonic() < deadline and len(ckpt.list_checkpoints(tmp_root)) > 2:
         time.sleep(0.05)
     assert [i.step for i in ckpt.list_checkpoints(tmp_root)] == [3, 2]
+
+
+@pytest.mark.parametrize(
+    ("committed", "protect", "keep_last", "keep", "delete"),
+    [
+        # the checkpoint a run resumed from survives however old it gets
+        ([10, 20, 30, 40], {10}, 1, (40, 10), (30, 20)),
+        ([10, 20, 30, 40], {30}, 2, (40, 30), (20, 10)),  # already among the newest: no extra
+        ([10, 20, 30], {99}, 1, (30,), (20, 10)),  # a protected step not on disk changes nothing
+    ],
+)
+def test_plan_retention_never_deletes_a_protected_step(committed, protect, keep_last, keep, delete):
+    policy = RetentionPolicy(keep_last=keep_last, protect=frozenset(protect))
+    plan = plan_retention(committed, [], policy)
+    assert plan.keep == keep and plan.delete == delete
+
+
+@pytest.mark.parametrize(
+    ("policy", "says"),
+    [
+        (None, "every committed checkpoint is kept"),
+        (RetentionPolicy(keep_last=3), "keeps the newest 3 committed"),
+        (RetentionPolicy(keep_last=2, keep_every=100), "every step that is a multiple of 100"),
+    ],
+)
+def test_describe_says_the_policy_in_one_line(policy, says):
+    text = describe(policy)
+    assert says in text and "\n" not in text
+
+
+def test_default_retention_keeps_the_newest_three():
+    assert DEFAULT_RETENTION.keep_last == 3 and not DEFAULT_RETENTION.keep_every

@@ -88,3 +88,27 @@ def test_a_script_without_logging_config_says_every_decision(tmp_path):
     assert f"resumed step 4 from {root}/checkpoint_0000004" in err
     assert "emergency checkpoint committed at step 7" in err
     assert os.path.exists(os.path.join(root, "checkpoint_0000007", "COMPLETE"))
+
+
+@pytest.mark.parametrize(
+    ("env", "rank", "warns"),
+    [
+        ({"TORCHELASTIC_MAX_RESTARTS": "2"}, 0, True),
+        ({"TORCHELASTIC_MAX_RESTARTS": "2"}, 1, False),  # rank 0 only: one line per job
+        ({"TORCHELASTIC_MAX_RESTARTS": "2", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, 0, False),
+        ({"TORCHELASTIC_MAX_RESTARTS": "0"}, 0, False),  # no restarts: nothing can hang
+        ({}, 0, False),
+    ],
+)
+def test_run_guard_says_the_restart_env_problem_on_rank_0(caplog, env, rank, warns):
+    import elastic
+
+    with (
+        caplog.at_level("WARNING", logger="elastic.guard"),
+        elastic.RunGuard(env=env, rank=rank, attempt=0, watchdog_s=0),
+    ):
+        pass
+    lines = [r for r in caplog.records if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.getMessage()]
+    assert len(lines) == (1 if warns else 0)
+    if warns:
+        assert lines[0].levelname == "WARNING" and "restart" in lines[0].getMessage()

@@ -6,7 +6,8 @@ step 12 falls back to step 4, quarantines 8, re-runs steps 5..12 and saves 8 and
 again. Before quarantine that save of step 8 raised CheckpointExistsError on every
 attempt. Checked on outputs: exit code, per-step losses (bitwise equal to an
 uninterrupted run), the fallback/quarantine events and ``python -m ckpt ls --json``.
-Once on a local root and once on the GCS emulator.
+Once on a local root and once on the GCS emulator. And when the only checkpoint is the
+damaged one, no attempt starts over from step 0 on the quarantined work.
 """
 
 from __future__ import annotations
