@@ -233,6 +233,7 @@ class CheckpointManager:
         self._shapes: dict[str, dict[str, list[int]]] | None = None
         self._data_marks: dict[str, tuple[int, int]] = {}
         self._per_rank_paths: set[str] = set()
+        self._param_paths: set[str] | None = None
         """State paths saved per rank (``ckpt.per_rank``): detected or declared."""
         """Per sampler key: (step, cursor) at the last save or resume (advance() guard)."""
         self.max_failures = max_failures
@@ -729,19 +730,24 @@ class CheckpointManager:
         """Find plain tensors that differ across ranks; save them per rank (collective).
 
         One all_gather of per-tensor crc32c strings through the checkpoint group, in the
-        caller's thread with no save in flight. Tensors under :class:`PerRank` keys are
-        per rank without comparing. Paths found stay per rank for the rest of the run.
+        caller's thread with no save in flight. Compared: module buffers, tensors of
+        Statefuls and plain values. Not compared (replicated by construction, and the
+        bulk of the bytes: a DDP model would copy every parameter to host per save):
+        module parameters and optimizer state; declare those :class:`PerRank` if they
+        differ. Tensors under :class:`PerRank` keys are per rank without comparing.
+        Paths found stay per rank for the rest of the run.
         """
-        declared = {
-            path
-            for path in per_rank.plain_tensors(state, skip=(RNG_STATE_KEY, per_rank.PER_RANK_KEY))
-            if path.split(per_rank.PATH_SEP, 1)[0] in self.app.per_rank
-        }
-        found = set(declared)
+        tensors = per_rank.plain_tensors(state, skip=(RNG_STATE_KEY, per_rank.PER_RANK_KEY))
+        top = {path: path.split(per_rank.PATH_SEP, 1)[0] for path in tensors}
+        found = {path for path in tensors if top[path] in self.app.per_rank}
         if self.world_size > 1:
-            mine = per_rank.digests(
-                per_rank.plain_tensors(state, skip=(RNG_STATE_KEY, per_rank.PER_RANK_KEY))
-            )
+            params = self._parameter_paths()
+            compared = {
+                path: t
+                for path, t in tensors.items()
+                if top[path] not in self.app.optimizers and path not in params
+            }
+            mine = per_rank.digests(compared)
             found |= per_rank.differing(_dist.Collective(self._group).all_gather(mine))
         new = sorted(found - self._per_rank_paths)
         if not new:
@@ -754,6 +760,16 @@ class CheckpointManager:
                 "rank 0: saving per rank (they differ between ranks or are declared PerRank): %s",
                 ", ".join(new[:8]) + (f" and {len(new) - 8} more" if len(new) > 8 else ""),
             )
+
+    def _parameter_paths(self) -> set[str]:
+        """State paths of module parameters (``model/fc.weight``), computed once."""
+        if self._param_paths is None:
+            self._param_paths = {
+                f"{key}{per_rank.PATH_SEP}{name}"
+                for key, module in self.app.modules.items()
+                for name, _ in module.named_parameters()
+            }
+        return self._param_paths
 
     def _samplers(self) -> dict[str, Any]:
         """Stateful data positions in the state (``elastic.ElasticSampler``: ``data_position()``)."""

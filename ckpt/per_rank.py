@@ -5,10 +5,11 @@ state is like that, but not all: BatchNorm running statistics under FSDP2 (each 
 normalizes its own micro-batches), an EMA of local shards, a per-rank counter. Saved
 as replicated, every rank resumed with one rank's copy, silently.
 
-At each durable save the manager compares a crc32c of every plain tensor in the state
-across ranks (one all_gather of small strings) and saves those that differ, plus every
-tensor under a key declared with :class:`PerRank`, under ``per_rank.rank_R`` - one
-entry per rank, as the RNG state is. The manifest's manager record lists them.
+At each durable save the manager compares a crc32c of every module buffer and every
+tensor of a Stateful or plain value across ranks (one all_gather of small strings; not
+module parameters or optimizer state, replicated by construction) and saves those that
+differ, plus every tensor under a key declared with :class:`PerRank`, under
+``per_rank.rank_R`` - one entry per rank, as the RNG state is. The manifest's manager record lists them.
 
 Resume: on the same world size each rank gets its own copy back, bitwise. On another
 world size new rank ``r`` takes the copy of old rank ``r % old_world_size`` (for
