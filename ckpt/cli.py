@@ -218,6 +218,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  {name:<60} {dtype:<9} {list(shape) if shape is not None else ''}")
     if len(tensors) > args.limit:
         print(f"  ... {len(tensors) - args.limit} more (use --limit)")
+    record = m.metadata.get("ckpt_manager", {})
+    record = record if isinstance(record, dict) else {}
+    for key, pos in sorted((record.get("data_position") or {}).items()):
+        print(
+            f"data         {key}: cursor {pos.get('cursor')}, consumed digest "
+            f"{pos.get('consumed_digest') or '-'}, next batch {pos.get('next_batch_digest')}"
+        )
+    if record.get("per_rank"):
+        print(f"per rank     {', '.join(record['per_rank'])}")
     if m.metadata:
         print("metadata     " + json.dumps(m.metadata, sort_keys=True)[:500])
     return EXIT_OK

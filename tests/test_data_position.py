@@ -79,3 +79,17 @@ def test_a_stream_that_would_not_continue_where_the_checkpoint_says_is_refused()
         fresh.load_state_dict(state)
     fresh.load_state_dict(sampler.state_dict())
     assert fresh.cursor == 24 and fresh.consumed_digest == sampler.consumed_digest
+
+
+def test_ckpt_inspect_shows_the_data_position(tmp_path, capsys):
+    from ckpt import cli
+
+    root = str(tmp_path / "ckpt")
+    sampler = elastic.ElasticSampler(100, 8, seed=1, rank=0, world_size=1)
+    with _manager(root, sampler) as manager:
+        sampler.advance(2)
+        manager.save(2)
+    assert cli.main(["inspect", root]) == 0
+    out = capsys.readouterr().out
+    line = next(li for li in out.splitlines() if li.startswith("data "))
+    assert "sampler: cursor 16" in line and sampler.consumed_digest in line
