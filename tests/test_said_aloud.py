@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import pytest
+from test_ckpt_core import _corrupt_flip
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,12 +74,7 @@ def test_a_script_without_logging_config_says_every_decision(tmp_path):
     assert f"no committed checkpoint under {root}: starting from step 0" in first.stderr
     assert "retention keeps the newest 3 committed checkpoint(s)" in first.stderr
 
-    shard = os.path.join(root, "checkpoint_0000006", "rank_00000.distcp")
-    with open(shard, "r+b") as fh:
-        fh.seek(os.path.getsize(shard) // 2)
-        byte = fh.read(1)
-        fh.seek(-1, os.SEEK_CUR)
-        fh.write(bytes([byte[0] ^ 0x01]))
+    _corrupt_flip(root, "checkpoint_0000006/rank_00000.distcp")
 
     second = run(str(script), root, "10", "sigterm:step=8")
     assert second.returncode == 143, second.stderr
