@@ -27,6 +27,7 @@ from bench.elastic_runs import (
     silent_node_run,
     warm_available,
 )
+from bench.export import EXPORT_MIN_BYTES, export_metrics, export_rounds
 from bench.fault_cost import KillPlan, fault_cost_run
 from bench.fsdp_state import layer_width
 from bench.gcs import gcs_rounds
@@ -34,7 +35,6 @@ from bench.report import markdown_table, write_json
 from bench.rounds import load_rounds, reshard_load, reshard_save, save_rounds
 from bench.spawn import run_on_ranks
 from bench.train_loop import plain_loop, steady_rate, trainer_run
-from testing.gcs_emulator import create_bucket, emulator_in_environ, start_emulator
 
 RANKS = 2
 RESHARD_FROM = 4
@@ -275,6 +275,10 @@ def _overhead(work: str, mode: Mode) -> list[m.Metric]:
 
 
 def _gcs(mode: Mode) -> list[m.Metric]:
+    # The emulator harness is in the repository's testing/ (not installed): run this
+    # group from a checkout.
+    from testing.gcs_emulator import create_bucket, emulator_in_environ, start_emulator
+
     with emulator_in_environ(start_emulator()) as emulator:
         bucket = "bench"
         create_bucket(emulator.endpoint, bucket)
@@ -286,11 +290,18 @@ def _gcs(mode: Mode) -> list[m.Metric]:
             mode.rounds,
             timeout_s=mode.timeout_s,
         )[0]
-    return [m.gcs_metric(raw)]
+    return [m.gcs_metric(raw), m.gcs_load_metric(raw)]
 
 
 def _memory(work: str, mode: Mode) -> list[m.Metric]:
     return m.memory_metrics(memory_tier.measure(work, mode.memory))
+
+
+def _export(work: str, mode: Mode) -> list[m.Metric]:
+    """export_memory, export_vs_read: ckpt.export of a ``total_bytes`` checkpoint (bench/export.py)."""
+    width = layer_width(max(mode.total_bytes, EXPORT_MIN_BYTES))
+    raw = export_rounds(work, width, mode.rounds, mode.timeout_s)
+    return export_metrics(raw)
 
 
 def _not_full(names: tuple[str, ...]) -> list[m.Metric]:
@@ -391,6 +402,7 @@ def tasks(work: str, mode: Mode) -> list[tuple[str, str, Callable[[], list[m.Met
         ("memory", "memory tier", lambda: _memory(own("memory"), mode)),
         ("elastic", "kill jobs", lambda: _elastic(work, mode)),
         ("elastic", "silent node jobs", lambda: _silent(work, mode)),
+        ("export", "export rounds", lambda: _export(own("export"), mode)),
     ]
 
 

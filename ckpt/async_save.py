@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ckpt import env
+
 HOUSEKEEPING_JOIN_S = 120.0
 """How long :meth:`AsyncSaver.close` waits for retention still deleting old checkpoints."""
 
@@ -102,8 +104,10 @@ class PendingSave:
             raise self._error
         return self.url
 
-    def _run(self, runner: SaveRunner, staged: dict[str, Any], copies: list[_Copy]) -> None:
-        _lower_thread_priority()
+    def _run(
+        self, runner: SaveRunner, staged: dict[str, Any], copies: list[_Copy], nice: int
+    ) -> None:
+        lower_thread_priority(nice)
         try:
             if copies:
                 started = time.monotonic()
@@ -179,6 +183,7 @@ class AsyncSaver:
         background thread, overlapping the caller's forward and backward passes, and a
         step pre-hook on each optimizer makes its next ``step()`` wait until they are done.
         """
+        nice = save_thread_nice()  # a bad value raises here, in the caller's thread
         with self._lock:
             if self._pending is not None and not self._pending.done():
                 raise RuntimeError("ckpt: an async save is still in flight; call wait_for_previous")
@@ -204,7 +209,7 @@ class AsyncSaver:
                 self._atexit_registered = True
         thread = threading.Thread(
             target=pending._run,
-            args=(runner, staged, copies),
+            args=(runner, staged, copies, nice),
             name=f"ckpt-save-{step}",
             daemon=True,
         )
@@ -346,7 +351,12 @@ def close(timeout: float | None = None) -> str | None:
     return DEFAULT.close(timeout)
 
 
-def _lower_thread_priority() -> None:
+def save_thread_nice() -> int:
+    """The nice value of background checkpoint threads (``CKPT_SAVE_THREAD_NICE``, 19)."""
+    return env.get_int(env.SAVE_THREAD_NICE, 19, minimum=0)
+
+
+def lower_thread_priority(nice: int) -> None:
     """Make the save thread (and threads it starts) yield the CPU to training threads.
 
     Linux keeps a nice value per thread; raising our own needs no privilege. The save
@@ -356,12 +366,9 @@ def _lower_thread_priority() -> None:
         return
     try:
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), _NICE))
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
     except OSError:
         pass
-
-
-_NICE = int(os.environ.get("CKPT_SAVE_THREAD_NICE", "19"))
 
 
 _Copy = tuple[torch.Tensor, torch.Tensor]  # (host buffer, source)

@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt import async_save as _async
+from ckpt import env
 from ckpt.checksum import crc32c_of
 from ckpt.discovery import Catalog, inspect_dir
 from ckpt.dist import Collective
@@ -48,8 +49,8 @@ from ckpt.writer import BlockSavePlanner, ShardWriter
 
 logger = logging.getLogger(__name__)
 
-ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
-ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+ENV_RUN_ID = env.RUN_ID
+ENV_RESTART_COUNT = env.RESTART_COUNT
 
 EventSink = Callable[[dict[str, Any]], None]
 
@@ -77,12 +78,9 @@ _start_fallback: float | None = None
 
 
 def _local_identity() -> dict[str, Any]:
-    try:
-        restart_count = int(os.environ.get(ENV_RESTART_COUNT, "0") or 0)
-    except ValueError:
-        restart_count = 0
+    run_id, restart_count = env.run_identity()
     return {
-        "run_id": os.environ.get(ENV_RUN_ID, "local"),
+        "run_id": run_id,
         "restart_count": restart_count,
         "host": socket.gethostname(),
         "pid": os.getpid(),

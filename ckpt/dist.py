@@ -20,18 +20,17 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ckpt import errors
+from ckpt import env, errors
 
 logger = logging.getLogger(__name__)
 
-ENV_COLLECTIVE_TIMEOUT_S = "CKPT_COLLECTIVE_TIMEOUT_S"
+ENV_COLLECTIVE_TIMEOUT_S = env.COLLECTIVE_TIMEOUT_S
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
 T = TypeVar("T")
@@ -47,11 +46,9 @@ def new_checkpoint_group(timeout_s: float | None = None) -> Any:
     one for itself; the module-level ``ckpt.save``/``ckpt.load`` share a cached one.
     """
     if timeout_s is None:
-        raw = os.environ.get(ENV_COLLECTIVE_TIMEOUT_S, "")
-        try:
-            timeout_s = float(raw) if raw.strip() else DEFAULT_COLLECTIVE_TIMEOUT_S
-        except ValueError:
-            raise ValueError(f"{ENV_COLLECTIVE_TIMEOUT_S}={raw!r} is not a number of seconds") from None
+        timeout_s = env.get_float(
+            ENV_COLLECTIVE_TIMEOUT_S, DEFAULT_COLLECTIVE_TIMEOUT_S, positive=True
+        )
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 

@@ -34,9 +34,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt import env
 from elastic.faults import split_fault_spec
 
-ENV_STORAGE_FAULTS = "CKPT_STORAGE_FAULTS"
+ENV_STORAGE_FAULTS = env.STORAGE_FAULTS
 
 PHASES = ("shard", "metadata", "manifest", "complete", "read", "any")
 KINDS = (
@@ -205,7 +206,7 @@ class FaultRegistry:
         with self._lock:
             if self._env_pending:
                 self._env_pending = False
-                self._faults.extend(parse_storage_faults(os.environ.get(ENV_STORAGE_FAULTS, "")))
+                self._faults.extend(parse_storage_faults(env.get_str(ENV_STORAGE_FAULTS, "")))
             for fault in self._faults:
                 if fault.fired >= fault.times or fault.phase not in (phase, "any"):
                     continue

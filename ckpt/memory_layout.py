@@ -23,12 +23,13 @@ import re
 import shutil
 from dataclasses import dataclass
 
+from ckpt import env
 from ckpt import memory_shard as shard
 from ckpt.errors import CheckpointError
 from ckpt.layout import MANIFEST_NAME
 from ckpt.manifest import CompleteMarker, Manifest
 
-ENV_MEMORY_DIR = "CKPT_MEMORY_DIR"
+ENV_MEMORY_DIR = env.MEMORY_DIR
 DEFAULT_MEMORY_DIR = "/dev/shm/ckpt-memory"
 COMMIT_NAME = "COMMIT"
 SLOTS = 2
@@ -36,7 +37,7 @@ SLOTS = 2
 
 def memory_base_dir(memory_dir: str | None = None) -> str:
     """Where memory snapshots live: ``memory_dir``, ``CKPT_MEMORY_DIR``, or /dev/shm."""
-    return os.path.abspath(memory_dir or os.environ.get(ENV_MEMORY_DIR) or DEFAULT_MEMORY_DIR)
+    return os.path.abspath(memory_dir or env.get_str(ENV_MEMORY_DIR, DEFAULT_MEMORY_DIR))
 
 
 def run_key(run_id: str, root: str) -> str:

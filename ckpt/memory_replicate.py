@@ -70,7 +70,10 @@ class Replicator:
     def start(self, slot: int, job: Job) -> None:
         if self._worker is None:
             self._worker = threading.Thread(
-                target=self._work, name="ckpt-memory-replicate", daemon=True
+                target=self._work,
+                args=(_async.save_thread_nice(),),
+                name="ckpt-memory-replicate",
+                daemon=True,
             )
             self._worker.start()
         self.jobs[slot] = job
@@ -102,8 +105,8 @@ class Replicator:
         if self._worker is not None:
             self._queue.put(None)
 
-    def _work(self) -> None:
-        _async._lower_thread_priority()
+    def _work(self, nice: int) -> None:
+        _async.lower_thread_priority(nice)
         while True:
             job = self._queue.get()
             if job is None:

@@ -38,9 +38,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ckpt import env
 from ckpt import memory_shard as shard
 from ckpt.checksum import crc32c_of, encode_crc32c
-from ckpt.commit import ENV_RESTART_COUNT, ENV_RUN_ID, _utc_now, process_start_time
+from ckpt.commit import _utc_now, process_start_time
 from ckpt.dist import Collective, new_checkpoint_group
 from ckpt.errors import CheckpointError
 from ckpt.layout import DCP_METADATA_NAME, MANIFEST_NAME, shard_filename
@@ -89,12 +90,13 @@ class MemoryTier:
         coll = Collective(self.group)
         self.rank, self.world_size = coll.rank, coll.world_size
         host = socket.gethostname()
+        run_id, restart_count = env.run_identity()
         me = {
             "host": host,
             "node": f"{host}:{os.path.realpath(self.base)}",
             "pid": os.getpid(),
-            "run_id": os.environ.get(ENV_RUN_ID, "local"),
-            "restart_count": _env_int(ENV_RESTART_COUNT),
+            "run_id": run_id,
+            "restart_count": restart_count,
         }
         self.peers: list[dict[str, Any]] = coll.all_gather(me)
         self.nonce: str = coll.broadcast(uuid.uuid4().hex[:12])
@@ -374,10 +376,3 @@ class MemoryTier:
 
     def url(self, step: int) -> str:
         return f"{self.run_dir}#step={step}"
-
-
-def _env_int(name: str) -> int:
-    try:
-        return int(os.environ.get(name, "0") or 0)
-    except ValueError:
-        return 0

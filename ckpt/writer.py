@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import io
 import math
-import os
 import pickle
 import uuid
 from collections.abc import Iterator
@@ -43,6 +42,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ckpt import env
 from ckpt.checksum import ChecksummingWriter
 from ckpt.layout import DCP_METADATA_NAME, shard_filename
 from ckpt.storage import FileRecord, Storage
@@ -53,19 +53,7 @@ SAVE_BLOCK_BYTES = 8 << 20
 
 
 def save_block_bytes() -> int:
-    raw = os.environ.get("CKPT_SAVE_BLOCK_BYTES")
-    if raw is None:
-        return SAVE_BLOCK_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(
-            f"CKPT_SAVE_BLOCK_BYTES={raw!r}: expected a positive number of bytes "
-            f"(default {SAVE_BLOCK_BYTES})"
-        )
-    return value
+    return env.get_int(env.SAVE_BLOCK_BYTES, SAVE_BLOCK_BYTES, minimum=1)
 
 
 class BlockSavePlanner(DefaultSavePlanner):
@@ -240,12 +228,16 @@ def _zip_crc32_off() -> Iterator[None]:
 
 def _write_item(stream: ChecksummingWriter, item: WriteItem, data: Any) -> None:
     if item.type == WriteItemType.BYTE_IO:
-        stream.write(data.getbuffer())
+        stream.write(data.getbuffer())  # the view keeps its BytesIO alive
         return
     tensor: torch.Tensor = data.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    torch.save(_own_storage(tensor), stream)
+    tensor = _own_storage(tensor)
+    keep_alive = getattr(stream, "keep_alive", None)
+    if keep_alive is not None:  # gs:// sends the storage's bytes later, without a copy
+        keep_alive(tensor)
+    torch.save(tensor, stream)
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,10 @@ SPEC = [
     ("fault_cost_s", 3.0, "<="),
     ("ettr", 0.85, ">="),
     ("silent_node_loss", 15.0, "<="),
-    ("gcs_save_vs_pipe", 0.80, ">="),
+    ("export_memory", 2.0, "<="),
+    ("export_vs_read", 0.8, ">="),
+    ("gcs_load_vs_cat", 1.3, ">="),
+    ("gcs_save_vs_pipe", 1.3, ">="),
 ]
 
 
@@ -63,7 +66,9 @@ def test_targets_table_is_the_issue_table_in_its_order():
 
 
 def test_groups_split_the_table_exactly_once():
-    assert list(m.GROUPS) == ["save", "load", "async", "overhead", "gcs", "memory", "elastic"]
+    assert list(m.GROUPS) == [
+        "save", "load", "async", "overhead", "gcs", "memory", "elastic", "export"
+    ]  # fmt: skip
     grouped = [name for names in m.GROUPS.values() for name in names]
     assert sorted(grouped) == sorted(m.TARGETS)
     assert m.GROUPS["load"] == ("load_vs_disk", "reshard_load")
@@ -516,3 +521,25 @@ def test_restart_metric_reports_the_plain_launcher_beside_the_warm_one():
     failed = m.restart_metric(warm, [2.0], plain_launcher="failed: boom")
     assert failed.detail["plain_launcher"] == "failed: boom"
     assert "plain_launcher" not in m.restart_metric(warm, [2.0]).detail
+
+
+@pytest.mark.timeout(30)
+def test_bench_modules_do_not_import_the_unshipped_testing_package_at_import() -> None:
+    # `bench` is installed with the package and `testing/` is not: a top-level import of
+    # testing would break `python -m bench` from a wheel (groups needing a repository
+    # harness import it inside the function that runs them).
+    import ast
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted(Path(bench.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "testing"]
+    assert not offenders, offenders

@@ -17,12 +17,13 @@ import logging
 import sys
 
 import ckpt
+from elastic.guard import Preempted
 from elastic.identity import RunIdentity
 from elastic.process import exit_now
 from trainer.cli import build_parser, config_from_args
 from trainer.data import BatchLayout, BatchLayoutError
 from trainer.distributed import close_distributed, init_distributed
-from trainer.loop import TrainingPreempted, train
+from trainer.loop import train
 
 logger = logging.getLogger("trainer")
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         logger.error("rank %d: %s: %s", ctx.rank, type(exc).__name__, exc)
         return 1
-    except TrainingPreempted as exc:
+    except Preempted as exc:
         logger.warning("rank %d: %s", ctx.rank, exc)
         return exc.exit_code
     finally:

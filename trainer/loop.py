@@ -28,7 +28,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from ckpt import CheckpointManager, RetentionPolicy
-from elastic.guard import Preempted, RunGuard
+from elastic.events import RunRecorder
+from elastic.guard import RunGuard
+from elastic.rng import sample_rng
 from trainer.build import build_model, build_optimizer
 from trainer.config import TrainConfig
 from trainer.data import (
@@ -40,8 +42,6 @@ from trainer.data import (
     samples_digest,
 )
 from trainer.distributed import DistContext
-from trainer.metrics import RunRecorder
-from trainer.rng import seed_micro_batch
 from trainer.schedule import lr_at
 
 logger = logging.getLogger(__name__)
@@ -51,8 +51,6 @@ ENV_CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
 """Set (if unset) before CUDA work when ``run.deterministic``; a user's value wins."""
 METADATA_VERSION = 1
 
-TrainingPreempted = Preempted
-"""A termination signal stopped training (``elastic.Preempted``: exit code 128+signal)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -98,10 +96,12 @@ def train_step(
     for k, ids in enumerate(local_ids):
         inputs, targets = samples.get(ids)
         inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
-        seed_micro_batch(cfg.run.seed, step, ctx.rank * layout.accum + k)
         model.set_requires_gradient_sync(k == layout.accum - 1)  # reduce once, after the last
-        per_sample = model(inputs, targets)
-        (per_sample.sum() / layout.global_batch).backward()
+        # Dropout keyed by the global micro-batch index, never the rank: the same masks on
+        # every world size; the process RNG outside the scope is left as it was.
+        with sample_rng(cfg.run.seed, step, ctx.rank * layout.accum + k):
+            per_sample = model(inputs, targets)
+            (per_sample.sum() / layout.global_batch).backward()
         loss_sum += per_sample.detach().sum()
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -131,7 +131,7 @@ def save_final_params(model: torch.nn.Module, run_dir: str, ctx: DistContext) ->
 def train(cfg: TrainConfig, ctx: DistContext) -> TrainProgress:
     """Train to ``run.max_steps``, resuming from ``checkpoint.dir`` when possible (all ranks).
 
-    Raises ``TrainingPreempted`` after a SIGTERM (the entry point turns it into an exit code).
+    Raises ``elastic.Preempted`` after a SIGTERM (the entry point turns it into an exit code).
     """
     recorder = RunRecorder(cfg.run.run_dir, rank=ctx.rank)
     try:

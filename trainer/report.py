@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.metrics import EVENTS_FILE, METRICS_FILE, RANK_EVENTS_GLOB
+from elastic.events import EVENTS_FILE, METRICS_FILE, RANK_EVENTS_GLOB
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,96 @@
+"""Every environment variable ``ckpt`` reads, in one place.
+
+Each is read when it is used, never at import (a bad value must not break ``import
+ckpt``), and a value that does not parse raises ``ValueError`` naming the variable,
+the value and what is expected. docs/design.md has the table of every variable of the
+project; :data:`VARIABLES` is this package's part of it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+STORAGE_TIMEOUT_S = "CKPT_STORAGE_TIMEOUT_S"
+STORAGE_RETRIES = "CKPT_STORAGE_RETRIES"
+STORAGE_RETRY_TOTAL_S = "CKPT_STORAGE_RETRY_TOTAL_S"
+STORAGE_FAULTS = "CKPT_STORAGE_FAULTS"
+COLLECTIVE_TIMEOUT_S = "CKPT_COLLECTIVE_TIMEOUT_S"
+SAVE_BLOCK_BYTES = "CKPT_SAVE_BLOCK_BYTES"
+SAVE_THREAD_NICE = "CKPT_SAVE_THREAD_NICE"
+MEMORY_DIR = "CKPT_MEMORY_DIR"
+RUN_ID = "TORCHELASTIC_RUN_ID"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+EMULATOR_HOST = "STORAGE_EMULATOR_HOST"
+GCSFS_HNS = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
+
+VARIABLES: dict[str, str] = {
+    STORAGE_TIMEOUT_S: "seconds one storage call may take before it is retried (default 300)",
+    STORAGE_RETRIES: "attempts per storage call, first included (default 6)",
+    STORAGE_RETRY_TOTAL_S: "seconds of retrying per call before giving up (default 120)",
+    STORAGE_FAULTS: "storage fault specs armed at the first storage call (tests, drills)",
+    COLLECTIVE_TIMEOUT_S: "seconds a rank waits in a checkpoint collective (default 600)",
+    SAVE_BLOCK_BYTES: "tensor shards above this many bytes are saved as row blocks (8 MiB)",
+    SAVE_THREAD_NICE: "nice value of the background save thread (default 19; 0 disables)",
+    MEMORY_DIR: "where the memory tier keeps its snapshots (default /dev/shm/ckpt-memory)",
+    RUN_ID: "set by torchrun: the run id recorded in each checkpoint's writer identity",
+    RESTART_COUNT: "set by torchrun: the restart count recorded with the run id",
+    EMULATOR_HOST: "a GCS emulator's URL: gs:// goes there, anonymously",
+    GCSFS_HNS: "set to false (when unset) for the emulator, which lacks gcsfs' HNS calls",
+}
+
+
+def _source(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+def get_str(name: str, default: str, env: Mapping[str, str] | None = None) -> str:
+    """The variable's value, or ``default`` when unset or empty."""
+    return _source(env).get(name) or default
+
+
+def get_int(
+    name: str,
+    default: int,
+    *,
+    minimum: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """An integer variable, ``default`` when unset or empty; ``ValueError`` naming it else."""
+    raw = _source(env).get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or (minimum is not None and value < minimum):
+        bound = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise ValueError(f"{name}={raw!r}: expected {bound} (default {default})")
+    return value
+
+
+def get_float(
+    name: str,
+    default: float,
+    *,
+    positive: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> float:
+    """A number variable, ``default`` when unset or empty; ``ValueError`` naming it else."""
+    raw = _source(env).get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or (positive and not value > 0):
+        kind = "a number > 0" if positive else "a number"
+        raise ValueError(f"{name}={raw!r}: expected {kind} (default {default})")
+    return value
+
+
+def run_identity(env: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """(run id, restart count) as torchrun sets them; ("local", 0) outside torchrun."""
+    return get_str(RUN_ID, "local", env), get_int(RESTART_COUNT, 0, minimum=0, env=env)
