@@ -3,8 +3,8 @@
 Run identity from the environment, job-wide restart count, fault injection,
 SIGTERM (preemption) handling, hang watchdog, peer failure detection (heartbeats) and
 straggler detection, all behind one
-``with RunGuard(...)``; and ``ElasticSampler``, a data position that resumes on any
-world size. Depends only on
+``with RunGuard(...)``; ``ElasticSampler``, a data position that resumes on any
+world size; and ``sample_rng``, dropout keyed by global micro-batch, not by rank. Depends only on
 the standard library and torch; never imports `trainer` or `ckpt`.
 
 Names are loaded on first use (PEP 562), so that `elastic.faults`, `elastic.identity`,
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         grace_from_env,
     )
     from elastic.process import exit_now
+    from elastic.rng import MicroBatch, MicroBatchSplitError, sample_rng
     from elastic.sampler import ElasticSampler, GlobalOrder, samples_digest
     from elastic.straggler import StragglerMonitor, find_stragglers
     from elastic.watchdog import StallInfo, Watchdog, process_group_timeout
@@ -65,6 +66,9 @@ _EXPORTS: dict[str, str] = {
     "ElasticSampler": "elastic.sampler",
     "GlobalOrder": "elastic.sampler",
     "samples_digest": "elastic.sampler",
+    "MicroBatch": "elastic.rng",
+    "MicroBatchSplitError": "elastic.rng",
+    "sample_rng": "elastic.rng",
     "RunIdentity": "elastic.identity",
     "restart_setup_problem": "elastic.identity",
     "RunRecorder": "elastic.events",
@@ -93,6 +97,8 @@ __all__ = [
     "FaultSpec",
     "GlobalOrder",
     "InjectedFault",
+    "MicroBatch",
+    "MicroBatchSplitError",
     "PeerHeartbeat",
     "Preempted",
     "PreemptionDecision",
@@ -114,6 +120,7 @@ __all__ = [
     "parse_fault_spec",
     "process_group_timeout",
     "restart_setup_problem",
+    "sample_rng",
     "samples_digest",
     "silent_peers",
 ]

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
+from elastic.rng import MicroBatch, plan_micro_batches
+
 SAMPLER_STATE_VERSION = 1
 
 
@@ -144,6 +146,20 @@ class ElasticSampler(Sampler[int]):
         """This rank's slice of :meth:`global_batch_ids`."""
         start = (self.cursor if cursor is None else cursor) + self.rank * self.local_batch
         return self.order.sample_ids(start, self.local_batch)
+
+    def micro_batches(self, micro_batch: int) -> list[MicroBatch]:
+        """This rank's micro-batches of ``micro_batch`` samples in the current global batch.
+
+        Each one carries its rows of the local batch (``mb.local``) and its place in the
+        global batch, and ``mb.rng(seed)`` is the RNG scope for its forward
+        (:func:`elastic.sample_rng`): dropout masks then depend on the global sample
+        positions only, so a resume on another world size continues with the same masks.
+        Keep ``micro_batch`` the same on every world size; raises
+        :class:`elastic.MicroBatchSplitError` when it does not divide :attr:`local_batch`.
+        """
+        return plan_micro_batches(
+            self.cursor, self.global_batch, self.world_size, self.rank, micro_batch
+        )
 
     def advance(self, steps: int = 1) -> None:
         """Record that ``steps`` global batches were consumed (call once per optimizer step)."""

@@ -1,14 +1,17 @@
 """Bring your own model: a plain FSDP2 script made fault-tolerant with `ckpt` and `elastic`.
 
 A small MLP classifier on a synthetic dataset; nothing here comes from the trainer. The
-fault-tolerance part is marked ``[ft]`` in ``train()`` (ten lines):
+fault-tolerance part is marked ``[ft]`` in ``train()`` and ``train_step()`` (a dozen lines):
 a ``ckpt.CheckpointManager`` for the state, an ``elastic.ElasticSampler`` for the data
-position, an ``elastic.RunGuard`` around the loop. What that buys:
+position, an ``elastic.RunGuard`` around the loop, an RNG scope around each micro-batch.
+What that buys:
 
 - a crash (a killed rank, a lost node) restarted by torchrun resumes from the newest
   committed checkpoint; at the same world size the run continues bitwise identically;
-- a resume on another world size continues with the same samples, in the same order
-  (the gradient of a step does not depend on the world size, see ``train_step``);
+- a resume on another world size continues with the same samples, in the same order,
+  and the same dropout masks (the gradient of a step does not depend on the world size,
+  see ``train_step``: micro-batches of ``--micro-batch`` samples, each in its own
+  ``elastic.sample_rng`` scope keyed by its global sample position);
 - SIGTERM (preemption) stops at a step boundary, commits an emergency checkpoint when it
   fits the grace period and exits 143.
 
@@ -68,14 +71,16 @@ class SyntheticClassification(Dataset):
 
 
 class MLP(nn.Module):
-    """Three linear layers with GELU; no dropout, so another world size resumes within tolerance."""
+    """Three linear layers with GELU and dropout (its masks come from ``elastic.sample_rng``)."""
 
-    def __init__(self, features: int = 16, hidden: int = 64, classes: int = 8) -> None:
+    def __init__(
+        self, features: int = 16, hidden: int = 64, classes: int = 8, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
             [
-                nn.Sequential(nn.Linear(features, hidden), nn.GELU()),
-                nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()),
+                nn.Sequential(nn.Linear(features, hidden), nn.GELU(), nn.Dropout(dropout)),
+                nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Dropout(dropout)),
             ]
         )
         self.head = nn.Linear(hidden, classes)
@@ -131,6 +136,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "exit, raise, hang, sigterm, ckpt-storage, e.g. kill:step=9:rank=1, sigterm:step=5, "
         "ckpt-storage:step=4:rank=1; it fires in restart attempt A only (default 0)")  # fmt: skip
     add("--global-batch", type=int, default=32, help="samples per step, all ranks (default 32)")
+    add("--micro-batch", type=int, default=8,
+        help="samples per forward (default 8), gradients accumulated over global-batch / "
+        "(world size * micro-batch) of them; dropout masks are drawn per micro-batch, so keep "
+        "it the same on every world size you resume on")  # fmt: skip
     add("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     add("--warmup-steps", type=int, default=4, help="linear warmup steps (default 4)")
     add("--decay-steps", type=int, default=100,
@@ -160,14 +169,25 @@ def init_distributed() -> torch.device:
     return torch.device("cpu")
 
 
-def train_step(model, opt, sched, x, y, global_batch: int) -> float:
-    """One optimizer step; returns the global mean loss of the step (all ranks agree on it)."""
-    loss_sum = F.cross_entropy(model(x), y, reduction="sum")
-    (loss_sum / global_batch).backward()  # this rank's share of the global mean
+def train_step(model, opt, sched, x, y, micro_batches, seed: int, global_batch: int) -> float:
+    """One optimizer step; returns the global mean loss of the step (all ranks agree on it).
+
+    The local batch is processed in ``micro_batches`` (``sampler.micro_batches(m)``), each
+    forward and backward inside ``mb.rng(seed)`` (``elastic.sample_rng``): the dropout masks
+    of a micro-batch depend on its global sample positions, never on the rank, so a resume
+    on another world size draws the masks of the uninterrupted run.
+    """
+    loss_sum = torch.zeros((), device=x.device)
+    for k, mb in enumerate(micro_batches):
+        model.set_requires_gradient_sync(k == len(micro_batches) - 1)  # reduce after the last
+        with mb.rng(seed):  # [ft] dropout keyed by global sample position, not by rank
+            loss = F.cross_entropy(model(x[mb.local]), y[mb.local], reduction="sum")
+            (loss / global_batch).backward()  # this micro-batch's share of the global mean
+        loss_sum += loss.detach()
     opt.step()
     opt.zero_grad(set_to_none=True)
     sched.step()
-    total = loss_sum.detach().clone()
+    total = loss_sum.clone()
     dist.all_reduce(total)
     return total.item() / global_batch
 
@@ -191,6 +211,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
 
     # [ft] Fault tolerance, part 1 of 2: the data position, the checkpoint manager, the guard.
     sampler = elastic.ElasticSampler(len(dataset), args.global_batch, seed=args.seed)
+    sampler.micro_batches(args.micro_batch)  # fails fast: --micro-batch must split the local batch
     state = {"model": model, "optim": opt, "sched": sched, "sampler": sampler}
     manager = ckpt.CheckpointManager(args.ckpt_dir, state, every=args.ckpt_every, seed=args.seed,
                                      async_save=args.async_save, on_event=log.event,
@@ -200,10 +221,11 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         start = manager.resume() or 0  # newest committed checkpoint, resharded to this world
         batches = iter(sampler.loader(dataset))  # from the restored data cursor
         for step in guard.steps(start, args.max_steps):  # faults; SIGTERM: save, exit 143
-            # [ft] End of part 1. Part 2: the two lines marked [ft] below.
+            # [ft] End of part 1. Part 2: the lines marked [ft] below and in train_step.
             started = time.perf_counter()
             x, y = (t.to(device) for t in next(batches))
-            loss = train_step(model, opt, sched, x, y, args.global_batch)
+            micro_batches = sampler.micro_batches(args.micro_batch)  # [ft] this step's positions
+            loss = train_step(model, opt, sched, x, y, micro_batches, args.seed, args.global_batch)
             digest = elastic.samples_digest(sampler.global_batch_ids())
             sampler.advance()  # [ft] one global batch consumed
             log.metrics({
