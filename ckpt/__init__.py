@@ -28,6 +28,10 @@ Asynchronous save (returns once the state is staged in host memory)::
     ...                                  # train on; errors surface at the next save
     ckpt.close()                         # at exit, before destroy_process_group
 
+The model of a checkpoint as Hugging Face safetensors or one torch file (streamed, verified)::
+
+    ckpt.export("gs://bucket/run1", "./my-model", dtype="bf16")   # python -m ckpt export
+
 Layout, manifest and commit rules: docs/design.md. ``python -m ckpt --help`` for the CLI.
 """
 
@@ -55,6 +59,7 @@ from ckpt.errors import (
     StorageTimeoutError,
     TooManySaveFailuresError,
 )
+from ckpt.export import ExportError, ExportResult, export
 from ckpt.faults import FaultRegistry, StorageFault
 from ckpt.manager import CheckpointManager, ResumeInfo
 from ckpt.manifest import Attempt, CompleteMarker, Manifest
@@ -77,6 +82,8 @@ __all__ = [
     "CompleteMarker",
     "CorruptCheckpointError",
     "DataPositionError",
+    "ExportError",
+    "ExportResult",
     "FaultRegistry",
     "FencedError",
     "LoadResult",
@@ -101,6 +108,7 @@ __all__ = [
     "VerifyReport",
     "apply_retention",
     "close",
+    "export",
     "find_latest_committed",
     "list_checkpoints",
     "load",

@@ -1,4 +1,4 @@
-"""``python -m ckpt``: list, verify, inspect and garbage-collect checkpoints.
+"""``python -m ckpt``: list, verify, inspect, garbage-collect and export checkpoints.
 
 Exit codes: 0 success; 1 verification failed (``verify``) or nothing committed
 where something was required; 2 bad usage or an error reaching storage.
@@ -275,6 +275,25 @@ def _gc_quarantined(storage: Storage, args: argparse.Namespace, verb: str) -> in
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from ckpt.export import describe, export, load_rename_table
+
+    result = export(
+        args.url,
+        args.out,
+        format=args.format,
+        model_key=args.model_key,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        step=args.step,
+        rename=load_rename_table(args.rename) if args.rename else None,
+        config=args.config,
+        progress=sys.stderr,
+    )
+    print(describe(result))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ckpt",
@@ -348,6 +367,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint's model as Hugging Face safetensors or one torch file",
+        description="Export the model part of one committed checkpoint (any world size, local "
+        "or gs://) as consolidated weights: safetensors (OUT is a new directory: "
+        "model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json "
+        "past --max-shard-size) or torch (OUT is a new file: one torch.save of a flat state "
+        "dict, held in memory whole). Every byte used is checked against the manifest's "
+        "crc32c; tensors are streamed block by block; OUT appears only when complete "
+        "(written as OUT.tmp-XXXXXXXX, then renamed). OUT must be a local path that does not "
+        "exist.",
+    )
+    p.add_argument("url", help="checkpoint root (newest committed, or --step) or directory")
+    p.add_argument("out", help="new local directory (safetensors) or file (torch)")
+    p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    p.add_argument("--step", type=int, help="export this step instead of the newest committed")
+    p.add_argument(
+        "--model-key", default="model", help="the model's key in the saved state (default model)"
+    )
+    p.add_argument(
+        "--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors (default: keep)"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="safetensors: largest file, e.g. 5GB (default), 500MB, 2GiB",
+    )
+    p.add_argument(
+        "--rename",
+        metavar="JSON",
+        help='JSON file {"our.name": "their.name", "dropped.name": null}; unlisted names stay',
+    )
+    p.add_argument("--config", metavar="FILE", help="safetensors: copy FILE as OUT/config.json")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

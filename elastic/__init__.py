@@ -18,6 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from elastic.distributed import DistContext, close_distributed, init_distributed
     from elastic.events import RunRecorder
     from elastic.faults import (
         ENV_FAULTS,
@@ -50,6 +51,9 @@ if TYPE_CHECKING:
     from elastic.watchdog import StallInfo, Watchdog, process_group_timeout
 
 _EXPORTS: dict[str, str] = {
+    "DistContext": "elastic.distributed",
+    "close_distributed": "elastic.distributed",
+    "init_distributed": "elastic.distributed",
     "ENV_FAULTS": "elastic.faults",
     "FaultKind": "elastic.faults",
     "FaultPlan": "elastic.faults",
@@ -90,6 +94,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "ENV_FAULTS",
     "PEER_SILENT_EXIT_CODE",
+    "DistContext",
     "ElasticSampler",
     "EmergencySaver",
     "FaultKind",
@@ -112,10 +117,12 @@ __all__ = [
     "StragglerMonitor",
     "Watchdog",
     "agree_on_preemption",
+    "close_distributed",
     "decide_emergency_save",
     "exit_now",
     "find_stragglers",
     "grace_from_env",
+    "init_distributed",
     "job_restart_count",
     "parse_fault_spec",
     "process_group_timeout",

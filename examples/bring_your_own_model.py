@@ -28,10 +28,8 @@ or as one plain process (a 1-rank gloo group): ``python examples/bring_your_own_
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
-import socket
 import time
 
 import torch
@@ -149,26 +147,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def init_distributed() -> torch.device:
-    """The process group from torchrun's environment, else a 1-rank group on a free port."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = datetime.timedelta(seconds=120)  # a dead peer is an error, not a stall
-    if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout
-        )
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
-
-
 def train_step(model, opt, sched, x, y, micro_batches, seed: int, global_batch: int) -> float:
     """One optimizer step; returns the global mean loss of the step (all ranks agree on it).
 
@@ -247,14 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():  # cuBLAS needs this for deterministic matmuls
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    device = init_distributed()
+    device = elastic.init_distributed().device  # torchrun's group, else a 1-rank one
     try:
         train(args, device)
     except elastic.Preempted as exc:  # SIGTERM: a SystemExit with code 143, after the save
         logger.warning("rank %d: %s", dist.get_rank(), exc)
         raise
     finally:
-        dist.destroy_process_group()
+        elastic.close_distributed()
     if rank == 0:
         logger.info("done: %d steps", args.max_steps)
     return 0

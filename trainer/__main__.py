@@ -12,7 +12,6 @@ command line or config (argparse style); 128+N stopped by signal N (SIGTERM: 143
 
 from __future__ import annotations
 
-import datetime
 import logging
 import sys
 
@@ -60,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except BatchLayoutError as exc:
         logger.error("rank %d: %s", identity.rank, exc)
         return 1
-    ctx = init_distributed(
-        identity, timeout=datetime.timedelta(seconds=cfg.run.collective_timeout_s)
-    )
+    ctx = init_distributed(identity, timeout_s=cfg.run.collective_timeout_s)
     try:
         train(cfg, ctx)
     except USER_ERRORS as exc:

@@ -1,0 +1,109 @@
+"""The default process group for torchrun and for a plain single process.
+
+One public call that the built-in trainer and user scripts share::
+
+    ctx = elastic.init_distributed()        # rank, world size, device, backend
+    ...
+    elastic.close_distributed()             # after the CheckpointManager is closed
+
+Under torchrun (``MASTER_ADDR`` and ``MASTER_PORT`` set) the group is built from the
+environment. Without them a 1-rank group is created on a free loopback port, so the
+same code path (FSDP2, DCP, collectives) runs in one process. The backend is ``nccl``
+when CUDA is available, else ``gloo``; the device is ``cuda:LOCAL_RANK`` (modulo the
+visible devices) or the CPU. The timeout bounds every collective on the default
+group: a dead peer becomes an error instead of a stall.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from elastic.identity import RunIdentity
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 120.0
+"""Collective timeout of the default group (seconds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DistContext:
+    """This process's place in the job and the device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(
+    identity: RunIdentity | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str | None = None,
+) -> DistContext:
+    """Initialize the default process group (every rank, once, first) and pick the device.
+
+    ``identity`` defaults to :meth:`RunIdentity.from_env` (a malformed torchrun variable
+    raises ``ValueError`` naming it). An already initialized group is kept. Raises
+    ``RuntimeError`` for ``WORLD_SIZE`` > 1 without ``MASTER_ADDR`` (not launched by
+    torchrun and no rendezvous address given).
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    identity = RunIdentity.from_env() if identity is None else identity
+    use_cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if identity.master_addr is not None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        elif identity.world_size == 1:
+            url = f"tcp://127.0.0.1:{_free_port()}"
+            dist.init_process_group(
+                backend=backend, init_method=url, rank=0, world_size=1, timeout=timeout
+            )
+        else:
+            raise RuntimeError(
+                f"WORLD_SIZE={identity.world_size} but MASTER_ADDR is not set; "
+                "launch with torchrun or set MASTER_ADDR and MASTER_PORT"
+            )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_cuda and backend == "nccl":
+        device = torch.device("cuda", identity.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    logger.info(
+        "rank %d/%d: process group ready (backend=%s, device=%s)", rank, world, backend, device
+    )
+    return DistContext(
+        rank=rank, world_size=world, local_rank=identity.local_rank, device=device, backend=backend
+    )
+
+
+def close_distributed() -> None:
+    """Destroy the default process group if there is one.
+
+    Close every ``ckpt.CheckpointManager`` first (``with manager:`` does): a background
+    save needs its checkpoint group until it finishes.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
