@@ -37,6 +37,7 @@ import uuid
 from typing import Any
 
 from bench.gpt import CONFIG, REPO
+from runcore import events as ev
 
 COLD_INIT = (
     "import sys, torch, torch.distributed as dist; "
@@ -207,9 +208,9 @@ def restarts(
     out = []
     year = datetime.datetime.fromtimestamp(float(metrics[0]["time"])).year if metrics else 1970
     marks = log_marks(logs or [], year)
-    faults = [e for e in events if e.get("event") == "fault"]
-    starts = [e for e in events if e.get("event") == "start"]
-    loads = [e for e in events if e.get("event") == "checkpoint_loaded"]
+    faults = [e for e in events if e.get("event") == ev.FAULT]
+    starts = [e for e in events if e.get("event") == ev.START]
+    loads = [e for e in events if e.get("event") == ev.CHECKPOINT_LOADED]
     for i in attempt_starts(metrics):
         prev, row = metrics[i - 1], metrics[i]
         attempt = row["restart_count"]
@@ -361,7 +362,7 @@ def silent_loss(
         key=lambda r: float(r["time"]),
     )
     total = float(shrunk["time"]) - frozen_at
-    verdicts = [float(e["time"]) for e in events if e["event"] == "peer_silent"]
+    verdicts = [float(e["time"]) for e in events if e["event"] == ev.PEER_SILENT]
     detected = min(t for t in verdicts if t > frozen_at)
     year = datetime.datetime.fromtimestamp(frozen_at).year
     rdzv = next(t for t in _torch_marks(logs, year, _RDZV_DONE) if t > detected)
@@ -370,7 +371,7 @@ def silent_loss(
         (
             e
             for e in events
-            if e["event"] == "checkpoint_loaded" and built <= float(e["time"]) <= shrunk["time"]
+            if e["event"] == ev.CHECKPOINT_LOADED and built <= float(e["time"]) <= shrunk["time"]
         ),
         None,
     )

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.elastic_runs import attempt_starts, elastic_run, log_marks
+from runcore import events as ev
 
 FAULT_EVERY_S = 30.0
 """Target spacing of the kills, in seconds of training with the memory tier on."""
@@ -121,8 +122,8 @@ def fault_cost(
         rerun = [j for j in range(begin, i) if mask[j]]
         rerun_s = sum(float(metrics[j]["step_time_s"]) for j in rerun)
         downtime = max(0.0, first - float(row["step_time_s"]) - last)
-        resume = _in(events, "resume", last, first)
-        loaded = _in(events, "checkpoint_loaded", last, first)
+        resume = _in(events, ev.RESUME, last, first)
+        loaded = _in(events, ev.CHECKPOINT_LOADED, last, first)
         source = resume or loaded
         load_s = float(source["duration_s"]) if source and "duration_s" in source else 0.0
         item: dict[str, Any] = {

@@ -57,6 +57,7 @@ from bench.fsdp_state import build_trained, layer_width
 from bench.metrics import GROUPS
 from bench.metrics import TARGETS as ALL_TARGETS
 from bench.spawn import run_on_ranks
+from runcore import events as ev
 
 TARGETS = {name: ALL_TARGETS[name] for name in GROUPS["memory"]}
 """This module's two metrics, with the targets of the one table (:data:`bench.metrics.TARGETS`)."""
@@ -272,7 +273,7 @@ def restore_sample(
     assert manager.last_resume is not None
     expected = (2, "memory") if tier == "memory" else (1, "durable")
     assert (step, manager.last_resume.tier) == expected, (step, manager.last_resume.tier)
-    choice = [f for name, f in events if name == "tier_choice"]
+    choice = [f for name, f in events if name == ev.TIER_CHOICE]
     out = {
         "s": elapsed,
         "digest": _digest(model, optim),

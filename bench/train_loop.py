@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from bench.gpt import CONFIG, REPO
+from runcore import events as ev
 
 
 def plain_loop(rank: int, world: int, steps: int, warmup: int) -> dict[str, Any]:
@@ -63,7 +64,7 @@ def trainer_run(work: str, steps: int, timeout_s: float) -> tuple[list[float], i
     )
     rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     events = _read_jsonl(os.path.join(run_dir, "events.jsonl"))
-    finished = any(e.get("event") == "finished" for e in events)
+    finished = any(e.get("event") == ev.FINISHED for e in events)
     if len(rows) != steps or not finished:
         raise RuntimeError(f"trainer run failed (rc={out.returncode}): {out.stderr[-1500:]}")
     why = ""

@@ -46,6 +46,7 @@ from ckpt.quarantine import finish_move as finish_quarantine_move
 from ckpt.retention import RetentionPolicy, apply_retention
 from ckpt.storage import Storage, StorageOptions
 from ckpt.writer import BlockSavePlanner, ShardWriter
+from runcore import events as ev
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +291,7 @@ def _save_staged(
     if on_event is not None:
         on_event(
             {
-                "event": "ckpt_saved",
+                "event": ev.CKPT_SAVED,
                 "step": step,
                 "url": url,
                 "bytes": total_bytes,

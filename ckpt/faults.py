@@ -17,7 +17,7 @@ Faults live in a :class:`FaultRegistry`: a :class:`ckpt.CheckpointManager` owns 
 and the module functions :func:`inject` / :func:`install` act on the process default,
 which also reads the environment variable ``CKPT_STORAGE_FAULTS`` at the first storage
 call of a process. Its items use the key=value grammar of every fault spec in this
-project (``elastic.faults``), e.g.
+project (``runcore.faultspec``, shared with ``elastic.faults``), e.g.
 ``CKPT_STORAGE_FAULTS="ckpt-storage:phase=complete:error=kill:rank=0"``; the short form
 ``PHASE:KIND[:times=N][:rank=R]`` (``complete:kill:rank=0;shard:http503:times=2``) still
 works.
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt import env
-from elastic.faults import split_fault_spec
+from runcore.faultspec import split_fault_spec
 
 ENV_STORAGE_FAULTS = env.STORAGE_FAULTS
 

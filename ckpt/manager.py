@@ -73,6 +73,7 @@ from ckpt.rng import (
     rng_key,
 )
 from ckpt.storage import Storage, StorageOptions
+from runcore import events as ev
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +82,6 @@ EventCallback = Callable[..., None]
 
 MANAGER_META_KEY = "ckpt_manager"
 """Manifest metadata entry where the manager records what it saved (keys, shapes, RNG)."""
-
-EVENT_NAMES = {
-    "ckpt_saved": "checkpoint_saved",
-    "ckpt_loaded": "checkpoint_loaded",
-    "ckpt_fallback": "fallback",
-    "ckpt_quarantined": "quarantine",
-}
-"""How the library's low-level events are named for the run's event log."""
 
 ESTIMATE_BYTES_PER_S = 50e6
 """Before any save was timed, an emergency save is assumed to write this fast..."""
@@ -255,7 +248,7 @@ class CheckpointManager:
             fields = dict(event)
             raw = str(fields.pop("event", "ckpt_event"))
             step = int(fields.pop("step", 0) or 0)
-            self._emit(EVENT_NAMES.get(raw, raw), step, **fields, **extra)
+            self._emit(ev.RUN_LOG_NAME.get(raw, raw), step, **fields, **extra)
 
         return sink
 
@@ -419,7 +412,7 @@ class CheckpointManager:
                         exc,
                     )
                 self._emit(
-                    "fallback",
+                    ev.FALLBACK,
                     cand.step,
                     tier="memory",
                     url=tier.url(cand.step),
@@ -504,7 +497,7 @@ class CheckpointManager:
         if self.rank == 0:
             logger.info("rank 0: resume tier: %s", why)
         extra = {"timings": {k: round(v, 4) for k, v in timings.items()}} if timings else {}
-        self._emit("tier_choice", step, tier=tier, reason=why, durable_step=durable, **extra)
+        self._emit(ev.TIER_CHOICE, step, tier=tier, reason=why, durable_step=durable, **extra)
 
     def _finish_resume(
         self,
@@ -556,7 +549,7 @@ class CheckpointManager:
             )  # fmt: skip
         extra = {"tier": tier} if self._memory is not None else {}
         self._emit(
-            "resume",
+            ev.RESUME,
             loaded_step,
             url=url,
             old_world_size=old_world,
@@ -684,7 +677,7 @@ class CheckpointManager:
         assert tier is not None
         for error in tier.replication_errors():
             self._emit(
-                "memory_snapshot_failed", step, phase="replicate", error=error, rank=self.rank
+                ev.MEMORY_SNAPSHOT_FAILED, step, phase="replicate", error=error, rank=self.rank
             )
         state, meta, _ = captured
         try:
@@ -692,7 +685,7 @@ class CheckpointManager:
         except SnapshotError as exc:
             logger.error("rank %d step %d: %s; training continues", self.rank, step, exc)
             self._emit(
-                "memory_snapshot_failed", step, phase="write", error=str(exc), rank=self.rank
+                ev.MEMORY_SNAPSHOT_FAILED, step, phase="write", error=str(exc), rank=self.rank
             )
 
     def _capture(
@@ -917,7 +910,7 @@ class CheckpointManager:
                 self.rank, step, failures, exc,
             )  # fmt: skip
         self._emit(
-            "checkpoint_failed",
+            ev.CHECKPOINT_FAILED,
             step,
             error=str(exc),
             rank=self.rank,

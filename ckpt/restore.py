@@ -47,6 +47,7 @@ from ckpt.quarantine import should_quarantine
 from ckpt.reader import SafeLoadPlanner, ShardReader
 from ckpt.storage import Storage, StorageOptions
 from ckpt.verify import verify_dir
+from runcore import events as ev
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def load(
             if on_event is not None:
                 on_event(
                     {
-                        "event": "ckpt_fallback",
+                        "event": ev.CKPT_FALLBACK,
                         "step": skip.step,
                         "url": skip.url,
                         "path": skip.path,
@@ -188,7 +189,7 @@ def load(
         if on_event is not None:
             on_event(
                 {
-                    "event": "ckpt_loaded",
+                    "event": ev.CKPT_LOADED,
                     "step": candidate,
                     "url": ckpt_dir.root_url,
                     "bytes": bytes_read,
@@ -257,7 +258,7 @@ def _set_aside(
     if kept_at and on_event is not None:
         on_event(
             {
-                "event": "ckpt_quarantined",
+                "event": ev.CKPT_QUARANTINED,
                 "step": skip.step,
                 "url": skip.url,
                 "kept_at": kept_at,

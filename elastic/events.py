@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any, TextIO
 
+from runcore import events as ev
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -56,6 +58,7 @@ class RunRecorder:
         self._metrics: TextIO | None = None
         self._events: TextIO | None = None
         self._lock = threading.Lock()
+        self._warned: set[str] = set()
         if self.enabled:
             os.makedirs(run_dir, exist_ok=True)
             if self.rank == 0:
@@ -76,11 +79,22 @@ class RunRecorder:
         """Write one event (checkpoint saved/loaded, resume, fallback, fault ...).
 
         Rank 0 writes every event; another rank only those with ``every_rank=True``.
-        The line gets ``"rank"`` unless ``fields`` already has one.
+        The line gets ``"rank"`` unless ``fields`` already has one. A known event
+        (``runcore.events.SCHEMA``) missing one of its fields is written anyway and said
+        at WARNING once per name: readers of the run log rely on those fields.
         """
         if self.rank != 0 and not every_rank:
             return
         record = {"event": name, "step": step, "time": time.time(), "rank": self.rank, **fields}
+        if name in ev.SCHEMA and name not in self._warned:
+            missing = ev.missing_fields(record)
+            if missing:
+                self._warned.add(name)
+                logger.warning(
+                    "run log: event %r lacks field(s) %s of its schema (runcore/events.py)",
+                    name,
+                    ", ".join(missing),
+                )
         self._write(self._events, record)
 
     def _write(self, fh: TextIO | None, record: dict[str, Any]) -> None:

@@ -3,8 +3,8 @@
 Grammar (docs/design.md): `KIND:step=S[:rank=R][:attempt=A]`, from repeatable
 `--fault` arguments and from the environment variable `TRAINER_FAULTS`
 (`;`-separated). Command-line specs come first, then the environment's; both apply.
-It is the one key=value grammar of every fault in this project (:func:`split_fault_spec`):
-`ckpt.faults` parses `CKPT_STORAGE_FAULTS` with it too, and a `ckpt-storage` spec takes
+It is the one key=value grammar of every fault in this project
+(`runcore.faultspec.split_fault_spec`): `ckpt.faults` parses `CKPT_STORAGE_FAULTS` with it too, and a `ckpt-storage` spec takes
 the storage keys `phase`, `error`, `times` and `delay_ms` besides step, rank and attempt.
 
 Kinds:
@@ -36,6 +36,8 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from runcore.faultspec import split_fault_spec
 
 logger = logging.getLogger(__name__)
 
@@ -117,25 +119,6 @@ def _spec_error(text: str, reason: str) -> ValueError:
         f"invalid fault spec {text!r}: {reason}; expected {SPEC_GRAMMAR} with KIND one of "
         f"{', '.join(VALID_KINDS)} and keys {', '.join(VALID_KEYS)} (non-negative integers)"
     )
-
-
-def split_fault_spec(text: str) -> tuple[str, dict[str, str]]:
-    """Split one `NAME[:key=value]...` spec into its name and fields (pure).
-
-    The grammar of every fault spec in the project. Raises ValueError (with the reason
-    only) for a field that is not key=value or a key given twice.
-    """
-    name, *parts = (part.strip() for part in text.strip().split(":"))
-    fields: dict[str, str] = {}
-    for part in parts:
-        key, sep, raw = part.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"{part!r} is not key=value")
-        if key in fields:
-            raise ValueError(f"key {key!r} given twice")
-        fields[key] = raw.strip()
-    return name, fields
 
 
 def parse_fault_spec(text: str) -> FaultSpec:

@@ -49,6 +49,7 @@ from elastic.identity import RunIdentity, job_restart_count, restart_setup_probl
 from elastic.preemption import PreemptionHandler, agree_on_preemption
 from elastic.straggler import StragglerMonitor
 from elastic.watchdog import Watchdog
+from runcore import events as ev
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ class RunGuard:
         return heartbeat.start()
 
     def _on_peer_silent(self, verdict: SilentVerdict) -> None:
-        self.event("peer_silent", self._step, every_rank=True, rank=self.rank, **verdict.fields())
+        self.event(ev.PEER_SILENT, self._step, every_rank=True, rank=self.rank, **verdict.fields())
 
     def event(self, name: str, step: int, *, every_rank: bool = False, **fields: Any) -> None:
         """Record an event: a fact of this rank alone (``every_rank``: a fault fired here) is
@@ -251,7 +252,7 @@ class RunGuard:
 
     def _on_stall(self, info: Any) -> None:
         self.event(
-            "watchdog_stall",
+            ev.WATCHDOG_STALL,
             info.step or 0,
             every_rank=True,
             stalled_s=round(info.stalled_s, 3),
@@ -292,7 +293,7 @@ class RunGuard:
         """
         self._step = step
         for spec in self.plan.storage_faults_due(step, self.rank, self.attempt):
-            self.event("fault", step, every_rank=True, spec=str(spec), rank=self.rank)
+            self.event(ev.FAULT, step, every_rank=True, spec=str(spec), rank=self.rank)
             if self.saver is None:
                 raise ValueError(f"fault {spec} needs a checkpoint manager (RunGuard(saver=...))")
             self.saver.inject_storage_fault(spec.storage_spec())
@@ -302,7 +303,7 @@ class RunGuard:
 
     def _on_fault(self, step: int) -> Callable[[FaultSpec], None]:
         def record(spec: FaultSpec) -> None:
-            self.event("fault", step, every_rank=True, spec=str(spec), rank=self.rank)
+            self.event(ev.FAULT, step, every_rank=True, spec=str(spec), rank=self.rank)
 
         return record
 
@@ -343,7 +344,7 @@ class RunGuard:
                     done_step,
                     why,
                 )
-        self.event("preempted", done_step, reason=agreed.reason, emergency_save=saved)
+        self.event(ev.PREEMPTED, done_step, reason=agreed.reason, emergency_save=saved)
         raise Preempted(done_step, self.preemption.signal_name or "SIGTERM", saved)
 
     def after_step(self, step: int, step_time_s: float) -> None:
@@ -355,7 +356,7 @@ class RunGuard:
         if self.stragglers is not None:
             report = self.stragglers.record(step_time_s)
             if report and report["stragglers"]:
-                self.event("stragglers", step, **report)
+                self.event(ev.STRAGGLERS, step, **report)
 
     def _derive_watchdog_bound(self) -> None:
         """With ``watchdog_s="auto"``: time the steps after the first of the attempt, then

@@ -31,6 +31,7 @@ from ckpt import CheckpointManager, RetentionPolicy
 from elastic.events import RunRecorder
 from elastic.guard import RunGuard
 from elastic.rng import sample_rng
+from runcore import events as ev
 from trainer.build import build_model, build_optimizer
 from trainer.config import TrainConfig
 from trainer.data import (
@@ -198,7 +199,7 @@ def build_checkpoints(
         }
 
     def on_event(name: str, step: int, **fields: Any) -> None:
-        if name == "resume" and manager.last_resume is not None:
+        if name == ev.RESUME and manager.last_resume is not None:
             fields["data_cursor"] = int(manager.last_resume.metadata["data_cursor"])
             fields["restart_count"] = attempt
         recorder.event(name, step, **fields)
@@ -282,7 +283,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
             with guard.slow_phase():
                 resume(manager, progress, cfg, ctx)
         progress.world_sizes.append(ctx.world_size)
-        recorder.event("start", progress.step, world_size=ctx.world_size, restart_count=attempt)
+        recorder.event(ev.START, progress.step, world_size=ctx.world_size, restart_count=attempt)
 
         for step in guard.steps(progress.step, cfg.run.max_steps):
             lr = lr_at(step, cfg.optim)
@@ -319,6 +320,6 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
     if cfg.run.save_final:
         path = save_final_params(model, cfg.run.run_dir, ctx)
         if path is not None:
-            recorder.event("final_params", progress.step, path=path)
-    recorder.event("finished", progress.step, world_size=ctx.world_size)
+            recorder.event(ev.FINAL_PARAMS, progress.step, path=path)
+    recorder.event(ev.FINISHED, progress.step, world_size=ctx.world_size)
     return progress

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.events import EVENTS_FILE, METRICS_FILE, RANK_EVENTS_GLOB
+from runcore import events as ev
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +36,13 @@ DEFAULT_PLOT_NAME = "timeline.png"
 
 _RANK_EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
 
-FAULT_EVENTS = frozenset({"fault"})
+FAULT_EVENTS = frozenset({ev.FAULT})
 """A fault injected on purpose (``--inject``), on whichever rank recorded it."""
-FAILURE_EVENTS = frozenset({"failure", "rank_failure", "error", "peer_silent"})
+FAILURE_EVENTS = frozenset({"failure", "rank_failure", "error", ev.PEER_SILENT})
 """A rank reporting its own failure (an exception that ends its attempt)."""
-WATCHDOG_EVENTS = frozenset({"watchdog", "watchdog_stall", "stall"})
+WATCHDOG_EVENTS = frozenset({"watchdog", ev.WATCHDOG_STALL, "stall"})
 """The hang watchdog giving up on a rank."""
-DETECTOR_EVENTS = frozenset({"stragglers", "straggler"})
+DETECTOR_EVENTS = frozenset({ev.STRAGGLERS, "straggler"})
 """The straggler detector's verdict."""
 
 
@@ -200,7 +201,7 @@ def _emergency_steps(events: list[dict[str, Any]]) -> set[int]:
     return {
         int(e.get("step", 0))
         for e in events
-        if e.get("event") == "preempted" and e.get("emergency_save")
+        if e.get("event") == ev.PREEMPTED and e.get("emergency_save")
     }
 
 
@@ -243,7 +244,7 @@ def summarize(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> Ru
     productive = sum(t for t, rerun in zip(step_times, mask) if not rerun)
     wall = float(metrics[-1]["time"]) - start_time
 
-    saved = [e for e in events if e.get("event") == "checkpoint_saved"]
+    saved = [e for e in events if e.get("event") == ev.CHECKPOINT_SAVED]
     emergency_steps = _emergency_steps(events)
     durations = [float(e["duration_s"]) for e in saved if "duration_s" in e]
     final_step = int(metrics[-1]["step"])
@@ -268,10 +269,10 @@ def summarize(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> Ru
         checkpoint_bytes=sum(int(e.get("bytes", 0) or 0) for e in saved),
         checkpoint_mean_duration_s=sum(durations) / len(durations) if durations else None,
         emergency_checkpoints=sum(is_emergency(e, emergency_steps) for e in saved),
-        checkpoints_failed=sum(e.get("event") == "checkpoint_failed" for e in events),
+        checkpoints_failed=sum(e.get("event") == ev.CHECKPOINT_FAILED for e in events),
         faults_injected=len(faults),
-        fallbacks=sum(e.get("event") == "fallback" for e in events),
-        preemptions=sum(e.get("event") == "preempted" for e in events),
+        fallbacks=sum(e.get("event") == ev.FALLBACK for e in events),
+        preemptions=sum(e.get("event") == ev.PREEMPTED for e in events),
         downtime_s=downtime,
         rerun_time_s=rerun_time,
         time_lost_s=downtime + rerun_time,
@@ -282,7 +283,7 @@ def summarize(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> Ru
         final_loss=float(metrics[-1]["loss"]),
         start_time=start_time,
         finished=any(
-            e.get("event") == "finished" and int(e.get("step", -1)) == final_step for e in events
+            e.get("event") == ev.FINISHED and int(e.get("step", -1)) == final_step for e in events
         ),
         failures=failures,
         watchdog_stalls=stalls,
@@ -462,8 +463,8 @@ TIMELINE_MARKS = {
     "fault": FAULT_EVENTS,
     "failure": FAILURE_EVENTS,
     "watchdog": WATCHDOG_EVENTS,
-    "fallback": frozenset({"fallback"}),
-    "checkpoint_failed": frozenset({"checkpoint_failed"}),
+    "fallback": frozenset({ev.FALLBACK}),
+    "checkpoint_failed": frozenset({ev.CHECKPOINT_FAILED}),
 }
 """Marker kind on the timeline -> the event names drawn with it (besides checkpoints)."""
 RANK_LABELLED_MARKS = frozenset({"fault", "failure", "watchdog"})
@@ -482,7 +483,7 @@ def timeline_marks(
     marks: dict[str, list[tuple[float, int, int]]] = {}
     for e in events:
         name = e.get("event")
-        if name == "checkpoint_saved":
+        if name == ev.CHECKPOINT_SAVED:
             kind = "emergency" if is_emergency(e, emergency_steps) else "checkpoint"
         else:
             kind = next((k for k, names in TIMELINE_MARKS.items() if name in names), "")
