@@ -44,6 +44,7 @@ from ckpt import memory_restore as _memory_restore
 from ckpt import per_rank
 from ckpt import root_check as _root_check
 from ckpt.app_state import AppState, shape_mismatch
+from ckpt.capture import MANAGER_META_KEY, Captured, StateCapture
 from ckpt.commit import save as _save
 from ckpt.discovery import Catalog
 from ckpt.errors import (
@@ -52,7 +53,6 @@ from ckpt.errors import (
     CheckpointNotFoundError,
     CheckpointShapeError,
     CorruptCheckpointError,
-    DataPositionError,
     SaveFailedError,
     StateMismatchError,
     StorageError,
@@ -79,9 +79,6 @@ logger = logging.getLogger(__name__)
 
 EventCallback = Callable[..., None]
 """``on_event(name, step, **fields)``: the signature of a run recorder's ``event``."""
-
-MANAGER_META_KEY = "ckpt_manager"
-"""Manifest metadata entry where the manager records what it saved (keys, shapes, RNG)."""
 
 ESTIMATE_BYTES_PER_S = 50e6
 """Before any save was timed, an emergency save is assumed to write this fast..."""
@@ -192,7 +189,6 @@ class CheckpointManager:
         self.async_save = async_save
         self.rng = rng
         self.seed = seed
-        self._metadata = metadata
         self.retention = retention
         self._on_event = on_event
         self.faults = FaultRegistry(read_env=True)
@@ -223,12 +219,14 @@ class CheckpointManager:
         """Step of the newest checkpoint this manager committed or resumed from."""
         self.last_resume: ResumeInfo | None = None
         self._saves_in_flight: dict[int, dict[str, Any]] = {}
-        self._shapes: dict[str, dict[str, list[int]]] | None = None
-        self._data_marks: dict[str, tuple[int, int]] = {}
-        self._per_rank_paths: set[str] = set()
-        self._param_paths: set[str] | None = None
-        """State paths saved per rank (``ckpt.per_rank``): detected or declared."""
-        """Per sampler key: (step, cursor) at the last save or resume (advance() guard)."""
+        self._state = StateCapture(
+            self.app,
+            rank=self.rank,
+            world_size=self.world_size,
+            rng=rng,
+            metadata=metadata,
+            group=process_group,
+        )
         self.max_failures = max_failures
         if self.rank == 0:
             logger.warning("rank 0: checkpoints under %s: %s", root, describe_retention(retention))
@@ -351,7 +349,7 @@ class CheckpointManager:
         started = time.monotonic()
         fresh = [k for k in record.get("fresh_optimizers", []) if k in self.app.optimizers]
         want_rng = self.rng and saved_world == self.world_size
-        layout = self._per_rank_layout(record, saved_world)
+        layout = self._state.per_rank_layout(record, saved_world)
         result, template, rng_loaded = self._load(
             fresh, want_rng, catalog=catalog, per_rank_layout=layout
         )
@@ -401,7 +399,7 @@ class CheckpointManager:
                 and cand.manifest.world_size == self.world_size
             )
             try:
-                layout = self._per_rank_layout(record, cand.manifest.world_size)
+                layout = self._state.per_rank_layout(record, cand.manifest.world_size)
                 result, template = self._load_memory(cand, fresh, want_rng, timings, notes, layout)
             except CheckpointError as exc:
                 notes.append(f"memory step {cand.step} rejected: {exc}")
@@ -515,8 +513,7 @@ class CheckpointManager:
             self.retention = dataclasses.replace(
                 self.retention, protect=frozenset({int(result.step)})
             )
-        for key, sampler in self._samplers().items():
-            self._data_marks[key] = (int(result.step), int(sampler.data_position()["cursor"]))
+        self._state.mark_resumed(int(result.step))
         old_world = int(result.manifest.world_size)
         loaded_step = int(result.step)
         rng_restored = rng_loaded and old_world == self.world_size
@@ -590,20 +587,6 @@ class CheckpointManager:
             per_rank.move_back(template, *per_rank_layout)
         return result, template, want_rng
 
-    def _per_rank_layout(self, record: dict[str, Any], saved_world: int) -> tuple[list[str], int]:
-        """Which per-rank paths a checkpoint holds and whose copy this rank loads (and say so)."""
-        paths = [str(p) for p in record.get("per_rank", [])]
-        self._per_rank_paths = set(paths)
-        source = per_rank.source_rank(self.rank, int(saved_world), self.world_size)
-        if paths and int(saved_world) != self.world_size and self.rank == 0:
-            logger.warning(
-                "rank 0: per-rank state %s was saved by %d ranks and is loaded by %d: rank r "
-                "takes the copy of saved rank r %% %d",
-                ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else ""),
-                saved_world, self.world_size, saved_world,
-            )  # fmt: skip
-        return paths, source
-
     def _load_into(
         self,
         template: dict[str, Any],
@@ -655,7 +638,7 @@ class CheckpointManager:
         """
         captured = None
         if self._memory is not None and not final and self._memory.due(step):
-            captured = self._capture(step, reuse_shapes=True)
+            captured = self._state.capture(step, reuse_shapes=True)
             self._snapshot(step, captured)
         if not (final or self.due(step)):
             return None
@@ -669,9 +652,7 @@ class CheckpointManager:
             )
         return url
 
-    def _snapshot(
-        self, step: int, captured: tuple[dict[str, Any], dict[str, Any], list[str]]
-    ) -> None:
+    def _snapshot(self, step: int, captured: Captured) -> None:
         """Memory-tier snapshot of ``step`` (collective); a failure is reported, never raised."""
         tier = self._memory
         assert tier is not None
@@ -687,112 +668,6 @@ class CheckpointManager:
             self._emit(
                 ev.MEMORY_SNAPSHOT_FAILED, step, phase="write", error=str(exc), rank=self.rank
             )
-
-    def _capture(
-        self, step: int, *, reuse_shapes: bool = False
-    ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-        """The state dict (RNG included) and manifest metadata of ``step``; the fresh optimizers.
-
-        ``reuse_shapes`` (memory snapshots, every few steps): the models' tensor shapes
-        recorded for the shape check are those computed the first time (a module's
-        parameters keep their shapes; ``module.state_dict()`` costs ~1 ms per call).
-        """
-        positions = self._check_data_progress(step)
-        if not reuse_shapes or self._shapes is None:
-            self._shapes = self.app.tensor_shapes()
-        fresh = self.app.fresh_optimizers()
-        state = self.app.state_dict(skip_optimizers=fresh)
-        per_rank.move_out(state, sorted(self._per_rank_paths), self.rank)
-        if self.rng:
-            state[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
-        user_meta = self._metadata(step) if callable(self._metadata) else self._metadata
-        meta = {
-            **(user_meta or {}),
-            MANAGER_META_KEY: {
-                "keys": sorted(self.app.objects),
-                "fresh_optimizers": fresh,
-                "rng": self.rng,
-                "shapes": self._shapes,
-                "per_rank": sorted(self._per_rank_paths),
-                **({"data_position": positions} if positions else {}),
-            },
-        }
-        return state, meta, fresh
-
-    def _detect_per_rank(self, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Find plain tensors that differ across ranks; save them per rank (collective).
-
-        One all_gather of per-tensor crc32c strings through the checkpoint group, in the
-        caller's thread with no save in flight. Compared: module buffers, tensors of
-        Statefuls and plain values. Not compared (replicated by construction, and the
-        bulk of the bytes: a DDP model would copy every parameter to host per save):
-        module parameters and optimizer state; declare those :class:`PerRank` if they
-        differ. Tensors under :class:`PerRank` keys are per rank without comparing.
-        Paths found stay per rank for the rest of the run.
-        """
-        tensors = per_rank.plain_tensors(state, skip=(RNG_STATE_KEY, per_rank.PER_RANK_KEY))
-        top = {path: path.split(per_rank.PATH_SEP, 1)[0] for path in tensors}
-        found = {path for path in tensors if top[path] in self.app.per_rank}
-        if self.world_size > 1:
-            params = self._parameter_paths()
-            compared = {
-                path: t
-                for path, t in tensors.items()
-                if top[path] not in self.app.optimizers and path not in params
-            }
-            mine = per_rank.digests(compared)
-            found |= per_rank.differing(_dist.Collective(self._group).all_gather(mine))
-        new = sorted(found - self._per_rank_paths)
-        if not new:
-            return
-        per_rank.move_out(state, new, self.rank)
-        self._per_rank_paths |= set(new)
-        meta[MANAGER_META_KEY]["per_rank"] = sorted(self._per_rank_paths)
-        if self.rank == 0:
-            logger.warning(
-                "rank 0: saving per rank (they differ between ranks or are declared PerRank): %s",
-                ", ".join(new[:8]) + (f" and {len(new) - 8} more" if len(new) > 8 else ""),
-            )
-
-    def _parameter_paths(self) -> set[str]:
-        """State paths of module parameters (``model/fc.weight``), computed once."""
-        if self._param_paths is None:
-            self._param_paths = {
-                f"{key}{per_rank.PATH_SEP}{name}"
-                for key, module in self.app.modules.items()
-                for name, _ in module.named_parameters()
-            }
-        return self._param_paths
-
-    def _samplers(self) -> dict[str, Any]:
-        """Stateful data positions in the state (``elastic.ElasticSampler``: ``data_position()``)."""
-        return {
-            key: obj
-            for key, obj in self.app.statefuls.items()
-            if callable(getattr(obj, "data_position", None))
-        }
-
-    def _check_data_progress(self, step: int) -> dict[str, Any]:
-        """Refuse a save whose steps advanced while a sampler's cursor did not (all ranks).
-
-        A forgotten ``sampler.advance()`` otherwise replays the same data after every
-        restart without a sign. The cursor is global, so every rank decides the same.
-        Returns each sampler's data position for the manifest.
-        """
-        positions = {}
-        for key, sampler in self._samplers().items():
-            position = sampler.data_position()
-            last_step, last_cursor = self._data_marks.get(key, (0, 0))
-            if step > last_step and int(position["cursor"]) == last_cursor:
-                raise DataPositionError(
-                    f"rank {self.rank} step {step}: state[{key!r}] did not advance since step "
-                    f"{last_step} (its cursor stayed at {last_cursor}); call "
-                    f"{key}.advance() once per optimizer step, or a restart replays the same "
-                    "samples. Nothing was saved."
-                )
-            self._data_marks[key] = (step, int(position["cursor"]))
-            positions[key] = position
-        return positions
 
     def save(self, step: int, *, blocking: bool = True, emergency: bool = False) -> str | None:
         """Save ``step`` now (collective); returns the URL, or None when the save failed.
@@ -814,7 +689,7 @@ class CheckpointManager:
         *,
         blocking: bool,
         emergency: bool = False,
-        captured: tuple[dict[str, Any], dict[str, Any], list[str]] | None = None,
+        captured: Captured | None = None,
     ) -> str | None:
         self._collect_previous()
         if self.last_committed_step == step:
@@ -822,8 +697,8 @@ class CheckpointManager:
         if not emergency and self._failing():
             return None  # the caller stops the job: no new save to wait for
         started = time.monotonic()
-        state, meta, fresh = captured if captured is not None else self._capture(step)
-        self._detect_per_rank(state, meta)
+        state, meta, fresh = captured if captured is not None else self._state.capture(step)
+        self._state.detect_per_rank(state, meta)
         extra = {"emergency": True} if emergency else {}
         background = not blocking
         try:
