@@ -13,7 +13,9 @@
 # restarted from the newest committed checkpoint with the larger world size). A node
 # that dies is dropped after about keep_alive_interval x keep_alive_max_attempt
 # seconds and the others continue from the last checkpoint. Details, measured
-# recovery times and the reasons for each setting: docs/launching.md.
+# recovery times and the reasons for each setting: docs/launching.md. Run as written on 3
+# hosts (network namespaces with their own address and hostname, RDZV_HOST = the first
+# host's name) by tests/e2e/test_slurm_e2e.py::test_multinode_sh_trains_on_three_namespace_hosts.
 #
 # Two ways to host the rendezvous store (the c10d TCP store torchrun uses to agree
 # on membership):
