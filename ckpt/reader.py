@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -161,10 +162,19 @@ class ShardReader(StorageReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
                 item
             )
+        span_bytes, depth = self.ckpt_dir.read_pipeline()
         spans: list[tuple[str, int, int, list[ReadItem]]] = []
         for path, items in per_file.items():
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
-            spans.extend((path, start, end, group) for start, end, group in self._spans(items))
+            spans.extend(
+                (path, start, end, group)
+                for start, end, group in self._spans(items, span_bytes or MAX_READ_SPAN_BYTES)
+            )
+        if depth > 1:
+            self._read_pipelined(spans, depth, planner)
+            future: Future[None] = Future()
+            future.set_result(None)
+            return future
         # One span is read ahead while the previous one is verified and decoded, so
         # the disk (or network) and the CPU work overlap; at most two spans in memory.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-read-ahead") as pool:
@@ -176,9 +186,48 @@ class ShardReader(StorageReader):
                     pool.submit(self._read_span, *spans[i + 1][:3]) if i + 1 < len(spans) else None
                 )
                 self._use_span(path, start, data, span_items, planner)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_pipelined(
+        self, spans: list[tuple[str, int, int, list[ReadItem]]], depth: int, planner: LoadPlanner
+    ) -> None:
+        """``depth`` spans in flight (object stores), each read into a recycled buffer.
+
+        A buffer goes back to the free list once its span is verified and copied into
+        the state (nothing keeps a view of it: tensors are copied, byte items decoded).
+        """
+        free: list[bytearray] = []
+
+        def read(path: str, start: int, end: int, buf: bytearray | None) -> tuple[Any, Any]:
+            if buf is None or len(buf) < end - start:
+                buf = bytearray(end - start)
+            view = memoryview(buf)[: end - start]
+            self.ckpt_dir.read_range_into(path, start, view)
+            return view, buf
+
+        def take(n: int) -> bytearray | None:
+            for i, buf in enumerate(free):
+                if len(buf) >= n:
+                    return free.pop(i)
+            return None
+
+        with ThreadPoolExecutor(max_workers=depth, thread_name_prefix="ckpt-read-ahead") as pool:
+            pending = deque(
+                pool.submit(read, *spans[i][:3], None) for i in range(min(depth, len(spans)))
+            )
+            for i, (path, start, _end, span_items) in enumerate(spans):
+                view, buf = pending.popleft().result()
+                self.bytes_read += len(view)
+                self._use_span(path, start, view, span_items, planner)
+                del view
+                free.append(buf)
+                if len(free) > depth:  # spans of growing sizes: keep the largest few
+                    free.remove(min(free, key=len))
+                if i + depth < len(spans):
+                    nxt = spans[i + depth]
+                    pending.append(pool.submit(read, *nxt[:3], take(nxt[2] - nxt[1])))
 
     def _read_span(self, path: str, start: int, end: int) -> bytes:
         data = self.ckpt_dir.read_range(path, start, end)
@@ -204,18 +253,20 @@ class ShardReader(StorageReader):
                 verified.add(info.offset)
             self._deliver(item, piece, planner)
 
-    def _spans(self, items: list[ReadItem]) -> Iterator[tuple[int, int, list[ReadItem]]]:
+    def _spans(
+        self, items: list[ReadItem], max_bytes: int = MAX_READ_SPAN_BYTES
+    ) -> Iterator[tuple[int, int, list[ReadItem]]]:
         """Group offset-sorted items into contiguous byte ranges of bounded size."""
         start = end = -1
         group: list[ReadItem] = []
         for item in items:
             info = self.storage_data[item.storage_index]
             item_end = info.offset + info.length
-            if group and info.offset <= end and max(end, item_end) - start <= MAX_READ_SPAN_BYTES:
+            if group and info.offset <= end and max(end, item_end) - start <= max_bytes:
                 end = max(end, item_end)
                 group.append(item)
                 continue
-            if group and info.offset == end and item_end - start <= MAX_READ_SPAN_BYTES:
+            if group and info.offset == end and item_end - start <= max_bytes:
                 end = item_end
                 group.append(item)
                 continue

@@ -76,6 +76,25 @@ def test_round_trip_and_manifest_crc_matches_object_crc(gcs_root):
     assert report.bytes_checked == 0
 
 
+def test_small_files_go_up_as_one_request_each_without_compose(gcs_root, monkeypatch):
+    from ckpt.gcs_parts import GcsClient
+
+    uploads: list[str] = []
+    composes: list[str] = []
+    original = GcsClient.upload
+    monkeypatch.setattr(
+        GcsClient,
+        "upload",
+        lambda self, bucket, name, body: uploads.append(name) or original(self, bucket, name, body),
+    )
+    monkeypatch.setattr(GcsClient, "compose", lambda self, *a: composes.append(a[1]))
+    ckpt.save(make_state(4), gcs_root, 4)
+    names = sorted(name.rsplit("/", 1)[-1] for name in uploads)
+    assert names == sorted([".metadata", "rank_00000.distcp", "manifest.json", "COMPLETE"])
+    assert composes == []
+    assert_loads(gcs_root, make_state(4))
+
+
 # -- 2. fault matrix ----------------------------------------------------------------
 
 
