@@ -40,7 +40,6 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ckpt import async_save as _async
 from ckpt import dist as _dist
-from ckpt import memory_restore as _memory_restore
 from ckpt import per_rank
 from ckpt import root_check as _root_check
 from ckpt.app_state import AppState, shape_mismatch
@@ -52,16 +51,13 @@ from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointShapeError,
-    CorruptCheckpointError,
     SaveFailedError,
-    StateMismatchError,
     StorageError,
     TooManySaveFailuresError,
 )
 from ckpt.faults import FaultRegistry, parse_storage_faults
 from ckpt.memory_tier import MemoryTier, SnapshotError
 from ckpt.restore import LoadResult, refuse_only_quarantined
-from ckpt.restore import load as _load
 from ckpt.retention import DEFAULT_RETENTION, RetentionPolicy
 from ckpt.retention import describe as describe_retention
 from ckpt.rng import (
@@ -73,6 +69,7 @@ from ckpt.rng import (
     rng_key,
 )
 from ckpt.storage import Storage, StorageOptions
+from ckpt.tiers import Candidate, DurableHead, DurableTier, MemorySnapshots, Tier, manager_record
 from runcore import events as ev
 
 logger = logging.getLogger(__name__)
@@ -309,56 +306,120 @@ class CheckpointManager:
         :class:`~ckpt.errors.CheckpointShapeError` for a checkpoint of other shapes and
         :class:`~ckpt.errors.NoLoadableCheckpointError` when none loads, or when the root
         holds only quarantined ones (never a fresh start over damaged work).
+
+        One path for every tier (:mod:`ckpt.tiers`): the memory tier's snapshots newer
+        than the durable head first (when it is on), then the durable root.
         """
         self.check_root()
         coll = _dist.Collective(self._group)
         # One listing of the root for the whole resume (the coordinator's; load reuses it).
         catalog = Catalog(Storage(self.root, self.storage_options))
 
-        def newest() -> tuple[int, int, dict[str, Any], str, int] | None:
+        def newest() -> DurableHead | None:
             info = catalog.latest_committed()
             if info is None or info.manifest is None:
                 return None
-            record = info.manifest.metadata.get(MANAGER_META_KEY, {})
             attempt = info.manifest.attempt
-            return (
+            return DurableHead(
                 info.step,
                 info.manifest.world_size,
-                record if isinstance(record, dict) else {},
+                manager_record(info.manifest.metadata),
                 attempt.run_id,
                 attempt.restart_count,
             )
 
-        latest = coll.on_coordinator(f"finding the newest checkpoint under {self.root}", newest)
+        head = coll.on_coordinator(f"finding the newest checkpoint under {self.root}", newest)
         notes: list[str] = []
-        if self._memory is not None:
-            resumed = self._resume_from_memory(latest, notes)
-            if resumed is not None:
-                return resumed
-        if latest is None:
-            self._tier_choice("none", 0, latest, notes)
-            refuse_only_quarantined(coll, catalog, self.root)  # damaged work is no fresh start
-            return self._nothing_to_resume(must)
-        step, saved_world, record, _, _ = latest
-        problem = shape_mismatch(self.app.tensor_shapes(), record.get("shapes", {}))
-        if problem is not None:
-            raise CheckpointShapeError(
-                f"checkpoint {self.root} (step {step}) was written for a different model: "
-                f"{problem}; load it with the model it was saved from, or use another root"
-            )
-        started = time.monotonic()
-        fresh = [k for k in record.get("fresh_optimizers", []) if k in self.app.optimizers]
-        want_rng = self.rng and saved_world == self.world_size
-        layout = self._state.per_rank_layout(record, saved_world)
-        result, template, rng_loaded = self._load(
-            fresh, want_rng, catalog=catalog, per_rank_layout=layout
+        for tier in self._tiers(catalog):
+            for cand in tier.candidates(head, notes):
+                loaded = self._resume_from(tier, cand, head, notes, must)
+                if loaded is not None:
+                    return None if loaded < 0 else loaded
+            tier.exhausted()
+        self._tier_choice("none", 0, head, notes)
+        refuse_only_quarantined(coll, catalog, self.root)  # damaged work is no fresh start
+        return self._nothing_to_resume(must)
+
+    def _tiers(self, catalog: Catalog) -> list[Tier]:
+        common = {"group": self._group, "sink": self._sink, "saver": self._async}
+        durable = DurableTier(
+            self.root,
+            catalog=catalog,
+            storage_options=self.storage_options,
+            rank=self.rank,
+            **common,
         )
+        if self._memory is None:
+            return [durable]
+        return [MemorySnapshots(self._memory, rank=self.rank, **common), durable]
+
+    def _resume_from(
+        self,
+        tier: Tier,
+        cand: Candidate,
+        head: DurableHead | None,
+        notes: list[str],
+        must: bool,
+    ) -> int | None:
+        """Resume from one candidate: its step; None to try the next; -1 for "nothing"."""
+        problem = shape_mismatch(self.app.tensor_shapes(), cand.record.get("shapes", {}))
+        if problem is not None:
+            if tier.strict:
+                raise CheckpointShapeError(
+                    f"checkpoint {self.root} (step {cand.step}) was written for a different "
+                    f"model: {problem}; load it with the model it was saved from, or use "
+                    "another root"
+                )
+            notes.append(
+                f"{tier.name} step {cand.step} was written for a different model: {problem}"
+            )
+            return None
+        started = time.monotonic()
+        fresh = [k for k in cand.record.get("fresh_optimizers", []) if k in self.app.optimizers]
+        want_rng = (
+            self.rng
+            and (tier.strict or bool(cand.record.get("rng", True)))
+            and cand.world_size == self.world_size
+        )
+        try:
+            layout = self._state.per_rank_layout(cand.record, cand.world_size)
+            template = self.app.state_dict(skip_optimizers=fresh)
+            per_rank.move_out(template, *layout)
+            if want_rng:
+                template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
+            result, rng_loaded = tier.load(cand, template, want_rng, notes)
+        except CheckpointError as exc:
+            if tier.strict:
+                raise
+            notes.append(f"{tier.name} step {cand.step} rejected: {exc}")
+            if self.rank == 0:
+                logger.error(
+                    "%s snapshot of step %d rejected, trying the next tier: %s",
+                    tier.name, cand.step, exc,
+                )  # fmt: skip
+            url = self._memory.url(cand.step) if self._memory is not None else self.root
+            self._emit(
+                ev.FALLBACK,
+                cand.step,
+                tier=tier.name,
+                url=url,
+                path=getattr(exc, "path", ""),
+                reason=str(exc),
+            )
+            return None
         if result is None:  # every committed checkpoint vanished between listing and loading
-            return self._nothing_to_resume(must)
-        loaded_step = self._finish_resume(result, template, rng_loaded, fresh, started, "durable")
-        self.last_committed_step = loaded_step
-        self._tier_choice("durable", loaded_step, latest, notes)
-        return loaded_step
+            self._nothing_to_resume(must)
+            return -1
+        per_rank.move_back(template, *layout)
+        loaded = self._finish_resume(result, template, rng_loaded, fresh, started, tier)
+        tier.resumed(cand)
+        if tier.strict:
+            self.last_committed_step = loaded
+        else:
+            self.last_committed_step = head.step if head is not None else None
+        timings = getattr(tier, "timings", None)
+        self._tier_choice(tier.name, loaded, head, notes, timings)
+        return loaded
 
     def _nothing_to_resume(self, must: bool) -> None:
         """A resume that found no committed checkpoint: an error with ``must``, else said."""
@@ -372,117 +433,18 @@ class CheckpointManager:
                 "rank 0: no committed checkpoint under %s: starting from step 0", self.root
             )
 
-    def _resume_from_memory(self, latest: tuple[Any, ...] | None, notes: list[str]) -> int | None:
-        """Resume from the newest usable memory snapshot (collective); None: use the durable tier."""
-        tier = self._memory
-        assert tier is not None
-        durable = None if latest is None else (int(latest[0]), str(latest[3]), int(latest[4]))
-        surveyed = time.monotonic()
-        found = _memory_restore.survey(tier, durable)
-        timings = {"survey_s": time.monotonic() - surveyed}
-        notes.extend(found.notes)
-        shapes = self.app.tensor_shapes()
-        for cand in found.candidates:
-            record = cand.manifest.metadata.get(MANAGER_META_KEY, {})
-            record = record if isinstance(record, dict) else {}
-            problem = shape_mismatch(shapes, record.get("shapes", {}))
-            if problem is not None:
-                notes.append(
-                    f"memory step {cand.step} was written for a different model: {problem}"
-                )
-                continue
-            started = time.monotonic()
-            fresh = [k for k in record.get("fresh_optimizers", []) if k in self.app.optimizers]
-            want_rng = (
-                self.rng
-                and bool(record.get("rng", True))
-                and cand.manifest.world_size == self.world_size
-            )
-            try:
-                layout = self._state.per_rank_layout(record, cand.manifest.world_size)
-                result, template = self._load_memory(cand, fresh, want_rng, timings, notes, layout)
-            except CheckpointError as exc:
-                notes.append(f"memory step {cand.step} rejected: {exc}")
-                if self.rank == 0:
-                    logger.error(
-                        "memory snapshot of step %d rejected, trying the next tier: %s",
-                        cand.step,
-                        exc,
-                    )
-                self._emit(
-                    ev.FALLBACK,
-                    cand.step,
-                    tier="memory",
-                    url=tier.url(cand.step),
-                    path=getattr(exc, "path", ""),
-                    reason=str(exc),
-                )
-                continue
-            loaded = self._finish_resume(result, template, want_rng, fresh, started, "memory")
-            _memory_restore.prune(tier, cand)
-            self.last_committed_step = durable[0] if durable is not None else None
-            self._tier_choice("memory", loaded, latest, notes, timings)
-            return loaded
-        _memory_restore.prune(tier, None)
-        return None
-
-    def _load_memory(
-        self,
-        cand: Any,
-        fresh: list[str],
-        want_rng: bool,
-        timings: dict[str, float],
-        notes: list[str],
-        per_rank_layout: tuple[list[str], int] = ([], 0),
-    ) -> tuple[LoadResult, dict[str, Any]]:
-        """Assemble and load one memory snapshot (collective); a first failure is retried
-        once with every copy's crc32c checked first (a corrupt copy, a good replica)."""
-        tier = self._memory
-        assert tier is not None
-        template = self.app.state_dict(skip_optimizers=fresh)
-        per_rank.move_out(template, *per_rank_layout)
-        if want_rng:
-            template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
-        for verify in (False, True):
-            started = time.monotonic()
-            restore = _memory_restore.materialize(tier, cand, template, verify=verify)
-            timings["assemble_s"] = time.monotonic() - started
-            try:
-                result = self._load_into(template, restore.url, cand.step, "memory")
-            except CorruptCheckpointError as exc:
-                if verify:
-                    raise
-                notes.append(
-                    f"memory step {cand.step}: a copy failed its check ({exc}); assembled "
-                    "again from copies whose crc32c matches the manifest"
-                )
-                if self.rank == 0:
-                    logger.warning(
-                        "memory snapshot of step %d failed to load (%s); checking every copy",
-                        cand.step,
-                        exc,
-                    )
-                continue
-            finally:
-                restore.release()
-            timings["load_s"] = time.monotonic() - started - timings["assemble_s"]
-            assert result is not None
-            per_rank.move_back(template, *per_rank_layout)
-            return result, template
-        raise AssertionError("unreachable")
-
     def _tier_choice(
         self,
         tier: str,
         step: int,
-        latest: tuple[Any, ...] | None,
+        head: DurableHead | None,
         notes: list[str],
         timings: dict[str, float] | None = None,
     ) -> None:
         """The ``tier_choice`` event of a resume with the memory tier on: which tier and why."""
         if self._memory is None:
             return
-        durable = None if latest is None else int(latest[0])
+        durable = None if head is None else head.step
         against = f"durable {durable}" if durable is not None else "no durable checkpoint"
         if tier == "memory":
             why = f"memory step {step} newer than {against}"
@@ -504,12 +466,12 @@ class CheckpointManager:
         rng_loaded: bool,
         fresh: list[str],
         started: float,
-        tier: str,
+        tier: Tier,
     ) -> int:
         """Push a loaded checkpoint into the objects, set RNG, record and report the resume."""
         self.app.load(template, skip_optimizers=fresh)
         # Never prune what we resumed from before this run commits a newer checkpoint.
-        if tier == "durable" and self.retention is not None:
+        if tier.strict and self.retention is not None:
             self.retention = dataclasses.replace(
                 self.retention, protect=frozenset({int(result.step)})
             )
@@ -522,11 +484,7 @@ class CheckpointManager:
         elif self.rng:
             reseed_process(self.seed, loaded_step, self.rank)
         user_meta = {k: v for k, v in result.metadata.items() if k != MANAGER_META_KEY}
-        url = (
-            result.url
-            if tier == "durable" or self._memory is None
-            else self._memory.url(loaded_step)
-        )
+        url = tier.url(result)
         self.last_resume = ResumeInfo(
             step=loaded_step,
             url=url,
@@ -536,15 +494,15 @@ class CheckpointManager:
             bytes_read=int(result.bytes_read),
             duration_s=time.monotonic() - started,
             metadata=user_meta,
-            tier=tier,
+            tier=tier.name,
         )
         if self.rank == 0:
             logger.warning(
                 "rank 0: resumed step %d from %s (%s tier, world size %d -> %d, RNG %s, %.2f s)",
-                loaded_step, url, tier, old_world, self.world_size,
+                loaded_step, url, tier.name, old_world, self.world_size,
                 "restored" if rng_restored else "re-derived", self.last_resume.duration_s,
             )  # fmt: skip
-        extra = {"tier": tier} if self._memory is not None else {}
+        extra = {"tier": tier.name} if self._memory is not None else {}
         self._emit(
             ev.RESUME,
             loaded_step,
@@ -557,66 +515,6 @@ class CheckpointManager:
             **extra,
         )
         return loaded_step
-
-    def _load(
-        self,
-        fresh: list[str],
-        want_rng: bool,
-        *,
-        root: str | None = None,
-        step: int | None = None,
-        tier: str = "durable",
-        catalog: Catalog | None = None,
-        per_rank_layout: tuple[list[str], int] = ([], 0),
-    ) -> tuple[LoadResult | None, dict[str, Any], bool]:
-        template = self.app.state_dict(skip_optimizers=fresh)
-        per_rank.move_out(template, *per_rank_layout)
-        if want_rng:
-            template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
-        try:
-            result = self._load_into(template, root, step, tier, catalog)
-        except StateMismatchError as exc:
-            if not want_rng:
-                raise
-            # A fallback landed on a checkpoint of another world size (no RNG key for us).
-            logger.warning("rank %d: retrying the load without RNG state: %s", self.rank, exc)
-            template.pop(RNG_STATE_KEY)
-            want_rng = False
-            result = self._load_into(template, root, step, tier, catalog)
-        if result is not None:
-            per_rank.move_back(template, *per_rank_layout)
-        return result, template, want_rng
-
-    def _load_into(
-        self,
-        template: dict[str, Any],
-        root: str | None = None,
-        step: int | None = None,
-        tier: str = "durable",
-        catalog: Catalog | None = None,
-    ) -> LoadResult | None:
-        if root is None:
-            return _load(
-                template,
-                self.root,
-                missing_ok=True,
-                process_group=self._group,
-                on_event=self._sink(),
-                storage_options=self.storage_options,
-                catalog=catalog,
-                _saver=self._async,
-            )
-        # A memory snapshot assembled for this rank under a ckptmem:// root (node-local
-        # maps and shipped ranges; no storage faults): the same verified load, one step.
-        return _load(
-            template,
-            root,
-            step=step,
-            process_group=self._group,
-            on_event=self._sink(tier=tier),
-            storage_options=StorageOptions(fsync=False, faults=FaultRegistry(read_env=False)),
-            _saver=self._async,
-        )
 
     # -- save ----------------------------------------------------------------------------
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from elastic.identity import RunIdentity
+from elastic.identity import RunIdentity, job_restart_count
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +35,24 @@ DEFAULT_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True, slots=True)
 class DistContext:
-    """This process's place in the job and the device it computes on."""
+    """This process's place in the job and the device it computes on: the run context.
+
+    Computed once, right after the process group exists, and passed to what needs it
+    (``RunGuard(attempt=ctx.attempt)``, a manager's metadata, the run log).
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     backend: str
+    run_id: str = "local"
+    """torchrun's ``TORCHELASTIC_RUN_ID`` (``--rdzv_id``), ``"local"`` without torchrun."""
+    attempt: int = 0
+    """The job-wide restart count: the highest ``TORCHELASTIC_RESTART_COUNT`` of all ranks."""
+    host: str = field(default_factory=socket.gethostname)
+    started_at: float = field(default_factory=time.time)
+    """Unix time when this process's context was built."""
 
     @property
     def is_main(self) -> bool:
@@ -59,7 +71,8 @@ def init_distributed(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     backend: str | None = None,
 ) -> DistContext:
-    """Initialize the default process group (every rank, once, first) and pick the device.
+    """Initialize the default process group (every rank, once, first), pick the device and
+    compute the run context (collective: the job-wide restart count).
 
     ``identity`` defaults to :meth:`RunIdentity.from_env` (a malformed torchrun variable
     raises ``ValueError`` naming it). An already initialized group is kept. Raises
@@ -95,7 +108,13 @@ def init_distributed(
         "rank %d/%d: process group ready (backend=%s, device=%s)", rank, world, backend, device
     )
     return DistContext(
-        rank=rank, world_size=world, local_rank=identity.local_rank, device=device, backend=backend
+        rank=rank,
+        world_size=world,
+        local_rank=identity.local_rank,
+        device=device,
+        backend=backend,
+        run_id=identity.run_id,
+        attempt=job_restart_count(identity),  # collective: every rank is here
     )
 
 

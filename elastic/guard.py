@@ -22,7 +22,11 @@ rank 1 is recorded by rank 1, and the others (agreed by all ranks) on rank 0 onl
 
 The saver is duck-typed (``ckpt.CheckpointManager`` is one): ``expected_save_s() ->
 float | None``, ``emergency_save(step) -> bool`` (collective) and
-``inject_storage_fault(spec: str)``. ``elastic`` never imports ``ckpt``.
+``inject_storage_fault(spec: str)``, and, if it has one, ``close()``: the guard closes
+its saver first thing on exit (the drain of a background save still runs under the
+watchdog, heartbeats and SIGTERM handling), so the order of ``with manager`` and
+``with guard`` does not matter; a manager's ``close`` is idempotent. ``elastic`` never
+imports ``ckpt``.
 """
 
 from __future__ import annotations
@@ -209,8 +213,13 @@ class RunGuard:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._stack.close()
-        self.preemption = self.watchdog = self.heartbeat = None
+        try:
+            close = getattr(self.saver, "close", None)
+            if callable(close):
+                close()  # drain a background save while still guarded
+        finally:
+            self._stack.close()
+            self.preemption = self.watchdog = self.heartbeat = None
 
     def _start_heartbeat(self) -> PeerHeartbeat | None:
         """The peer failure detector, when a process group of 2+ ranks with a TCP store exists."""

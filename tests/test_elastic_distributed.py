@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -34,14 +35,18 @@ def test_without_torchrun_a_one_rank_gloo_group_on_the_cpu() -> None:
         "ctx = elastic.init_distributed(timeout_s=30)\n"
         "again = elastic.init_distributed()  # an existing group is kept\n"
         "out = [ctx.rank, ctx.world_size, ctx.backend, str(ctx.device), ctx.is_main,\n"
-        "       dist.get_backend(), again.world_size]\n"
+        "       dist.get_backend(), again.world_size, ctx.run_id, ctx.attempt]\n"
         "elastic.close_distributed()\n"
         "out.append(dist.is_initialized())\n"
         "print(json.dumps(out))\n"
     )
     result = _run(code)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == [0, 1, "gloo", "cpu", True, "gloo", 1, False]
+    assert json.loads(result.stdout) == [0, 1, "gloo", "cpu", True, "gloo", 1, "local", 0, False]
+    # The run context carries torchrun's run id and the job-wide restart count.
+    result = _run(code, TORCHELASTIC_RUN_ID="job7", TORCHELASTIC_RESTART_COUNT="2")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)[7:9] == ["job7", 2]
 
 
 @pytest.mark.timeout(90)
@@ -51,3 +56,42 @@ def test_a_world_without_a_rendezvous_address_is_refused_naming_the_variables() 
     assert "WORLD_SIZE=2 but MASTER_ADDR is not set" in result.stderr
     result = _run("import elastic; elastic.init_distributed(timeout_s=0)")
     assert "timeout_s must be > 0" in result.stderr
+
+
+class _Saver:
+    """A duck-typed saver that records what the guard asked of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def expected_save_s(self) -> float:
+        return 1.0
+
+    def emergency_save(self, step: int) -> bool:
+        self.calls.append(f"emergency_save {step}")
+        return True
+
+    def inject_storage_fault(self, spec: str) -> None:
+        self.calls.append(f"fault {spec}")
+
+    def close(self) -> None:
+        # Still guarded while the saver drains: the preemption handler is installed.
+        self.calls.append(f"close guarded={guard_ref[0].preemption is not None}")
+
+
+guard_ref: list = [None]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("raises", [False, True])
+def test_the_guard_closes_its_saver_first_so_the_with_order_does_not_matter(raises: bool) -> None:
+    import elastic
+
+    saver = _Saver()
+    guard = elastic.RunGuard(saver=saver, watchdog_s=0, peer_timeout_s=0, attempt=0, rank=0, env={})
+    guard_ref[0] = guard
+    with pytest.raises(RuntimeError) if raises else contextlib.nullcontext(), guard:
+        if raises:
+            raise RuntimeError("boom")
+    assert saver.calls == ["close guarded=True"]
+    assert guard.preemption is None  # torn down after the close

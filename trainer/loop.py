@@ -13,7 +13,6 @@ leaves steps 1..4 completed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -261,7 +260,15 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
     run = build_run(cfg, ctx)
     model, optimizer, layout = run.model, run.optimizer, run.layout
     progress = TrainProgress()
+    attempt = ctx.attempt
+    if ctx.is_main:
+        logger.info(
+            "rank 0: world_size=%d restart_count=%d global_batch=%d micro_batch=%d grad_accum=%d samples=%d",
+            ctx.world_size, attempt, layout.global_batch, layout.micro, layout.accum, len(run.samples),
+        )  # fmt: skip
+    manager = build_checkpoints(cfg, ctx, run, progress, attempt, recorder)
     guard = RunGuard(
+        saver=manager,
         faults=cfg.run.faults,
         on_event=recorder.event,
         watchdog_s=cfg.run.watchdog_s,
@@ -269,16 +276,9 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
         straggler_every=cfg.run.straggler_every,
         heartbeat_s=cfg.run.heartbeat_s,
         peer_timeout_s=cfg.run.peer_timeout_s,
+        attempt=attempt,
     )
-    attempt = guard.attempt
-    if ctx.is_main:
-        logger.info(
-            "rank 0: world_size=%d restart_count=%d global_batch=%d micro_batch=%d grad_accum=%d samples=%d",
-            ctx.world_size, attempt, layout.global_batch, layout.micro, layout.accum, len(run.samples),
-        )  # fmt: skip
-    manager = build_checkpoints(cfg, ctx, run, progress, attempt, recorder)
-    guard.saver = manager
-    with guard, manager if manager is not None else contextlib.nullcontext():
+    with guard:  # closes the manager on exit (the drain stays guarded)
         if manager is not None:
             with guard.slow_phase():
                 resume(manager, progress, cfg, ctx)
