@@ -14,11 +14,11 @@ scheduler(s), and calls it at three places::
         manager.maybe_save(step, final=step == max_steps)
     manager.close()
 
-It owns what the module-level ``ckpt.save``/``ckpt.load`` keep in process globals:
-the storage root and options, the checkpoint gloo group, the save in flight and its
-staging buffers (:class:`~ckpt.async_save.AsyncSaver`), the storage fault registry,
-retention, the save policy (every N steps, synchronous at the end, emergency on a
-termination signal through ``elastic.RunGuard``) and the event sink.
+The manager is the policy: when to save (every N steps, synchronous at the end,
+emergency on a termination signal through ``elastic.RunGuard``) and which tiers a
+resume walks. The mechanisms are their own modules: :mod:`ckpt.capture` (what a save
+holds), :mod:`ckpt.saves` (running saves, the one in flight, the failure stop),
+:mod:`ckpt.resume` over :mod:`ckpt.tiers` (one resume path), :mod:`ckpt.root_check`.
 
 Every method that touches checkpoints is a collective: every rank calls it, in the
 same order. A failed save is logged, reported as a ``checkpoint_failed`` event and
@@ -29,75 +29,33 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from fsspec.implementations.local import LocalFileSystem
 
-from ckpt import async_save as _async
 from ckpt import dist as _dist
-from ckpt import per_rank
 from ckpt import root_check as _root_check
-from ckpt.app_state import AppState, shape_mismatch
-from ckpt.capture import MANAGER_META_KEY, Captured, StateCapture
-from ckpt.commit import save as _save
+from ckpt.app_state import AppState
+from ckpt.capture import Captured, StateCapture
 from ckpt.discovery import Catalog
-from ckpt.errors import (
-    CheckpointDirError,
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointShapeError,
-    SaveFailedError,
-    StorageError,
-    TooManySaveFailuresError,
-)
+from ckpt.errors import CheckpointError
 from ckpt.faults import FaultRegistry, parse_storage_faults
 from ckpt.memory_tier import MemoryTier, SnapshotError
-from ckpt.restore import LoadResult, refuse_only_quarantined
+from ckpt.resume import ResumeInfo, ResumeWalk
 from ckpt.retention import DEFAULT_RETENTION, RetentionPolicy
 from ckpt.retention import describe as describe_retention
-from ckpt.rng import (
-    RNG_STATE_KEY,
-    capture_rng,
-    reseed_process,
-    restore_rng,
-    rng_device,
-    rng_key,
-)
+from ckpt.saves import DurableSaves, SaveFailures, expected_save_s
 from ckpt.storage import Storage, StorageOptions
-from ckpt.tiers import Candidate, DurableHead, DurableTier, MemorySnapshots, Tier, manager_record
+from ckpt.tiers import DurableTier, MemorySnapshots, Tier
 from runcore import events as ev
+
+__all__ = ["CheckpointManager", "EventCallback", "ResumeInfo"]
 
 logger = logging.getLogger(__name__)
 
 EventCallback = Callable[..., None]
 """``on_event(name, step, **fields)``: the signature of a run recorder's ``event``."""
-
-ESTIMATE_BYTES_PER_S = 50e6
-"""Before any save was timed, an emergency save is assumed to write this fast..."""
-ESTIMATE_FIXED_S = 2.0
-"""...plus this much for the protocol's collectives and the commit."""
-
-
-@dataclass(frozen=True, slots=True)
-class ResumeInfo:
-    """What :meth:`CheckpointManager.resume` restored."""
-
-    step: int
-    url: str
-    old_world_size: int
-    new_world_size: int
-    rng_restored: bool
-    bytes_read: int
-    duration_s: float
-    metadata: dict[str, Any]
-    """The user metadata saved with the checkpoint (``metadata=`` at save time)."""
-    tier: str = "durable"
-    """``"durable"`` (the root) or ``"memory"`` (a memory-tier snapshot, ``memory_every``)."""
 
 
 class CheckpointManager:
@@ -118,21 +76,14 @@ class CheckpointManager:
     ``checkpoint_saved``, ``checkpoint_loaded``, ``fallback``, ``checkpoint_failed`` and
     ``resume`` events (from the save thread too: it must be thread-safe).
 
-    Memory tier (opt-in): ``memory_every=K`` (0: off, the default) also snapshots the
-    state every K steps into node-local memory that outlives the process (files under
-    ``memory_dir``, else ``CKPT_MEMORY_DIR``, else ``/dev/shm/ckpt-memory``), and a
-    background thread copies each rank's shard to a rank on another node (hostname +
-    memory dir; none when every rank shares one node). The snapshot is committed when
-    :meth:`maybe_save` returns (the rank's shard written, one all_gather, a COMPLETE-like
-    commit record on every node), so a killed worker resumes from it.
-    :meth:`resume` takes the newest snapshot that is complete across the surviving
-    nodes, newer than the newest durable checkpoint and not from an attempt older than
-    it, verifies every copy's crc32c, ships missing shards from peers and loads it like a
-    durable checkpoint (resharding included); if it fails it falls back to the next
-    snapshot, then to the durable tier, and emits ``tier_choice`` (tier, step, why).
-    Snapshots are never a durable commit: :meth:`save`, ``final`` and emergency saves go
-    to ``root`` as before. Host memory per rank: two snapshots of its shard plus two of
-    the replica it holds. A failed snapshot emits ``memory_snapshot_failed``.
+    Memory tier (opt-in): ``memory_every=K`` (0: off) also snapshots the state every K
+    steps into node-local memory that outlives the process (``memory_dir``, else
+    ``CKPT_MEMORY_DIR``, else ``/dev/shm/ckpt-memory``), replicated in the background to
+    a rank on another node, committed when :meth:`maybe_save` returns. :meth:`resume`
+    takes the newest snapshot complete across the surviving nodes and newer than the
+    durable head, verified and loaded like a durable checkpoint (resharding included),
+    else falls back to the durable tier; ``tier_choice`` says which and why. Snapshots
+    are never a durable commit. See docs/design.md ("Memory tier") for memory cost.
 
     Retention: ``retention`` (default :data:`~ckpt.retention.DEFAULT_RETENTION`, keep
     the newest 3; ``None`` keeps everything) is applied by the coordinator after every
@@ -175,25 +126,19 @@ class CheckpointManager:
             raise ValueError(
                 f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}"
             )
-        if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 0:
-            raise ValueError(
-                f"max_failures must be an int >= 0 (0: never stop for failed saves), "
-                f"got {max_failures!r}"
-            )
+        SaveFailures.validate(max_failures)
         self.root = root
         self.app = AppState.classify(state)
         self.every = every
         self.async_save = async_save
         self.rng = rng
         self.seed = seed
-        self.retention = retention
         self._on_event = on_event
         self.faults = FaultRegistry(read_env=True)
         """Storage faults for this manager's saves and loads (``inject_storage_fault``, and
         ``CKPT_STORAGE_FAULTS`` read at the first storage call)."""
         base = storage_options if storage_options is not None else StorageOptions.from_env()
         self.storage_options = _with_faults(base, self.faults)
-        self._async = _async.AsyncSaver()
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = _dist.new_checkpoint_group()
         self._group = process_group
@@ -210,12 +155,7 @@ class CheckpointManager:
             if memory_every
             else None
         )
-        self.last_save_s: float | None = None
-        """Wall seconds of the last save that finished, sync or async (staging + persist)."""
-        self.last_committed_step: int | None = None
-        """Step of the newest checkpoint this manager committed or resumed from."""
         self.last_resume: ResumeInfo | None = None
-        self._saves_in_flight: dict[int, dict[str, Any]] = {}
         self._state = StateCapture(
             self.app,
             rank=self.rank,
@@ -224,12 +164,19 @@ class CheckpointManager:
             metadata=metadata,
             group=process_group,
         )
-        self.max_failures = max_failures
+        self._saves = DurableSaves(
+            root,
+            app=self.app,
+            capture=self._state,
+            storage_options=self.storage_options,
+            group=process_group,
+            retention=retention,
+            failures=SaveFailures(max_failures, rank=self.rank, root=root, emit=self._emit),
+            sink=self._sink,
+            rank=self.rank,
+        )
         if self.rank == 0:
             logger.warning("rank 0: checkpoints under %s: %s", root, describe_retention(retention))
-        self.consecutive_failures = 0
-        """Durable saves that failed since the last commit (emergency saves included)."""
-        self._last_failure = ""
         self._closed = False
 
     # -- events --------------------------------------------------------------------------
@@ -252,45 +199,13 @@ class CheckpointManager:
     def check_root(self) -> None:
         """Fail early, on every rank together, when the root cannot be used (collective).
 
-        First the coordinator refuses a root that is, or is inside, a checkpoint
-        (nothing is created there; :func:`~ckpt.root_check.refuse_checkpoint_as_root`).
-        Then a local root is created, any root is listed (bounded by the storage
-        timeouts) and a probe object is written, read back and deleted (by every rank
-        for a local root, which may be a per-node disk; by the coordinator for an
-        object store), so a bad scheme, a path under a file, a read-only or full disk,
-        missing permissions or a missing bucket raise
-        :class:`~ckpt.errors.CheckpointDirError` here, before any training.
+        A root that is, or is inside, a checkpoint is refused (nothing is created
+        there); a local root is created; the root is listed and a probe object written,
+        read back and deleted (:func:`~ckpt.root_check.check_root`), so a bad scheme, a
+        path under a file, a read-only or full disk, missing permissions or a missing
+        bucket raise :class:`~ckpt.errors.CheckpointDirError` here, before any training.
         """
-        coll = _dist.Collective(self._group)
-
-        def refuse() -> None:
-            try:
-                storage = Storage(self.root, self.storage_options)
-                entries = storage.list_dir()
-            except Exception:  # unreachable: reported by check() below, with its cause
-                return
-            _root_check.refuse_checkpoint_as_root(storage, entries)
-
-        coll.on_coordinator(f"checking that {self.root} is not a checkpoint", refuse)
-
-        def check() -> None:
-            try:
-                storage = Storage(self.root, self.storage_options)
-                local = isinstance(storage.fs, LocalFileSystem)
-                if local:
-                    storage.fs.makedirs(storage.path(), exist_ok=True)
-                storage.list_dir()
-                storage.check_reachable()  # a missing bucket lists as empty
-                if local or coll.is_coordinator:
-                    _root_check.probe_writable(storage)
-            except Exception as exc:  # any failure means the root is unusable
-                raise CheckpointDirError(
-                    f"checkpoint root {self.root!r} is not reachable or writable: "
-                    f"{type(exc).__name__}: {exc} [fix the path/URL, the permissions or "
-                    "credentials, or free space]"
-                ) from exc
-
-        coll.on_every_rank(f"checking {self.root}", check)
+        _root_check.check_root(self.root, self.storage_options, self._group)
 
     # -- resume --------------------------------------------------------------------------
 
@@ -311,37 +226,28 @@ class CheckpointManager:
         than the durable head first (when it is on), then the durable root.
         """
         self.check_root()
-        coll = _dist.Collective(self._group)
         # One listing of the root for the whole resume (the coordinator's; load reuses it).
         catalog = Catalog(Storage(self.root, self.storage_options))
-
-        def newest() -> DurableHead | None:
-            info = catalog.latest_committed()
-            if info is None or info.manifest is None:
-                return None
-            attempt = info.manifest.attempt
-            return DurableHead(
-                info.step,
-                info.manifest.world_size,
-                manager_record(info.manifest.metadata),
-                attempt.run_id,
-                attempt.restart_count,
-            )
-
-        head = coll.on_coordinator(f"finding the newest checkpoint under {self.root}", newest)
-        notes: list[str] = []
-        for tier in self._tiers(catalog):
-            for cand in tier.candidates(head, notes):
-                loaded = self._resume_from(tier, cand, head, notes, must)
-                if loaded is not None:
-                    return None if loaded < 0 else loaded
-            tier.exhausted()
-        self._tier_choice("none", 0, head, notes)
-        refuse_only_quarantined(coll, catalog, self.root)  # damaged work is no fresh start
-        return self._nothing_to_resume(must)
+        walk = ResumeWalk(
+            self.root,
+            app=self.app,
+            capture=self._state,
+            group=self._group,
+            rank=self.rank,
+            world_size=self.world_size,
+            rng=self.rng,
+            seed=self.seed,
+            emit=self._emit,
+            memory_url=self._memory.url if self._memory is not None else None,
+        )
+        step = walk.run(catalog, self._tiers(catalog), must=must)
+        if walk.info is not None:
+            self.last_resume = walk.info
+            self._saves.resumed(walk.committed_step, walk.resumed_durable)
+        return step
 
     def _tiers(self, catalog: Catalog) -> list[Tier]:
-        common = {"group": self._group, "sink": self._sink, "saver": self._async}
+        common = {"group": self._group, "sink": self._sink, "saver": self._saves.saver}
         durable = DurableTier(
             self.root,
             catalog=catalog,
@@ -352,169 +258,6 @@ class CheckpointManager:
         if self._memory is None:
             return [durable]
         return [MemorySnapshots(self._memory, rank=self.rank, **common), durable]
-
-    def _resume_from(
-        self,
-        tier: Tier,
-        cand: Candidate,
-        head: DurableHead | None,
-        notes: list[str],
-        must: bool,
-    ) -> int | None:
-        """Resume from one candidate: its step; None to try the next; -1 for "nothing"."""
-        problem = shape_mismatch(self.app.tensor_shapes(), cand.record.get("shapes", {}))
-        if problem is not None:
-            if tier.strict:
-                raise CheckpointShapeError(
-                    f"checkpoint {self.root} (step {cand.step}) was written for a different "
-                    f"model: {problem}; load it with the model it was saved from, or use "
-                    "another root"
-                )
-            notes.append(
-                f"{tier.name} step {cand.step} was written for a different model: {problem}"
-            )
-            return None
-        started = time.monotonic()
-        fresh = [k for k in cand.record.get("fresh_optimizers", []) if k in self.app.optimizers]
-        want_rng = (
-            self.rng
-            and (tier.strict or bool(cand.record.get("rng", True)))
-            and cand.world_size == self.world_size
-        )
-        try:
-            layout = self._state.per_rank_layout(cand.record, cand.world_size)
-            template = self.app.state_dict(skip_optimizers=fresh)
-            per_rank.move_out(template, *layout)
-            if want_rng:
-                template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
-            result, rng_loaded = tier.load(cand, template, want_rng, notes)
-        except CheckpointError as exc:
-            if tier.strict:
-                raise
-            notes.append(f"{tier.name} step {cand.step} rejected: {exc}")
-            if self.rank == 0:
-                logger.error(
-                    "%s snapshot of step %d rejected, trying the next tier: %s",
-                    tier.name, cand.step, exc,
-                )  # fmt: skip
-            url = self._memory.url(cand.step) if self._memory is not None else self.root
-            self._emit(
-                ev.FALLBACK,
-                cand.step,
-                tier=tier.name,
-                url=url,
-                path=getattr(exc, "path", ""),
-                reason=str(exc),
-            )
-            return None
-        if result is None:  # every committed checkpoint vanished between listing and loading
-            self._nothing_to_resume(must)
-            return -1
-        per_rank.move_back(template, *layout)
-        loaded = self._finish_resume(result, template, rng_loaded, fresh, started, tier)
-        tier.resumed(cand)
-        if tier.strict:
-            self.last_committed_step = loaded
-        else:
-            self.last_committed_step = head.step if head is not None else None
-        timings = getattr(tier, "timings", None)
-        self._tier_choice(tier.name, loaded, head, notes, timings)
-        return loaded
-
-    def _nothing_to_resume(self, must: bool) -> None:
-        """A resume that found no committed checkpoint: an error with ``must``, else said."""
-        if must:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint under {self.root} and resume is required "
-                "(must=True / --resume must); check the root, or resume only if one exists"
-            )
-        if self.rank == 0:
-            logger.warning(
-                "rank 0: no committed checkpoint under %s: starting from step 0", self.root
-            )
-
-    def _tier_choice(
-        self,
-        tier: str,
-        step: int,
-        head: DurableHead | None,
-        notes: list[str],
-        timings: dict[str, float] | None = None,
-    ) -> None:
-        """The ``tier_choice`` event of a resume with the memory tier on: which tier and why."""
-        if self._memory is None:
-            return
-        durable = None if head is None else head.step
-        against = f"durable {durable}" if durable is not None else "no durable checkpoint"
-        if tier == "memory":
-            why = f"memory step {step} newer than {against}"
-        elif tier == "durable":
-            why = f"durable step {step}: no usable memory snapshot newer than it"
-        else:
-            why = "nothing to resume from: no usable memory snapshot, no durable checkpoint"
-        if notes:
-            why += " (" + "; ".join(notes) + ")"
-        if self.rank == 0:
-            logger.info("rank 0: resume tier: %s", why)
-        extra = {"timings": {k: round(v, 4) for k, v in timings.items()}} if timings else {}
-        self._emit(ev.TIER_CHOICE, step, tier=tier, reason=why, durable_step=durable, **extra)
-
-    def _finish_resume(
-        self,
-        result: LoadResult,
-        template: dict[str, Any],
-        rng_loaded: bool,
-        fresh: list[str],
-        started: float,
-        tier: Tier,
-    ) -> int:
-        """Push a loaded checkpoint into the objects, set RNG, record and report the resume."""
-        self.app.load(template, skip_optimizers=fresh)
-        # Never prune what we resumed from before this run commits a newer checkpoint.
-        if tier.strict and self.retention is not None:
-            self.retention = dataclasses.replace(
-                self.retention, protect=frozenset({int(result.step)})
-            )
-        self._state.mark_resumed(int(result.step))
-        old_world = int(result.manifest.world_size)
-        loaded_step = int(result.step)
-        rng_restored = rng_loaded and old_world == self.world_size
-        if rng_restored:
-            restore_rng(template[RNG_STATE_KEY][rng_key(self.rank)], rng_device())
-        elif self.rng:
-            reseed_process(self.seed, loaded_step, self.rank)
-        user_meta = {k: v for k, v in result.metadata.items() if k != MANAGER_META_KEY}
-        url = tier.url(result)
-        self.last_resume = ResumeInfo(
-            step=loaded_step,
-            url=url,
-            old_world_size=old_world,
-            new_world_size=self.world_size,
-            rng_restored=rng_restored,
-            bytes_read=int(result.bytes_read),
-            duration_s=time.monotonic() - started,
-            metadata=user_meta,
-            tier=tier.name,
-        )
-        if self.rank == 0:
-            logger.warning(
-                "rank 0: resumed step %d from %s (%s tier, world size %d -> %d, RNG %s, %.2f s)",
-                loaded_step, url, tier.name, old_world, self.world_size,
-                "restored" if rng_restored else "re-derived", self.last_resume.duration_s,
-            )  # fmt: skip
-        extra = {"tier": tier.name} if self._memory is not None else {}
-        self._emit(
-            ev.RESUME,
-            loaded_step,
-            url=url,
-            old_world_size=old_world,
-            new_world_size=self.world_size,
-            rng_restored=rng_restored,
-            bytes=int(result.bytes_read),
-            duration_s=round(self.last_resume.duration_s, 4),
-            **extra,
-        )
-        return loaded_step
 
     # -- save ----------------------------------------------------------------------------
 
@@ -541,13 +284,9 @@ class CheckpointManager:
         if not (final or self.due(step)):
             return None
         url = self._save(step, blocking=final or not self.async_save, captured=captured)
-        self._stop_if_failing(step)
+        self.failures.stop_if_failing(step, self.last_committed_step)
         if final and url is None:
-            raise TooManySaveFailuresError(
-                f"rank {self.rank}: the final checkpoint at step {step} under {self.root} failed "
-                f"({self._last_failure}); the run did not end on a commit. Fix the storage and "
-                "run again: it resumes from the newest committed checkpoint"
-            )
+            raise self.failures.final_failed(step)
         return url
 
     def _snapshot(self, step: int, captured: Captured) -> None:
@@ -578,147 +317,45 @@ class CheckpointManager:
         """
         url = self._save(step, blocking=blocking, emergency=emergency)
         if not emergency:
-            self._stop_if_failing(step)
+            self.failures.stop_if_failing(step, self.last_committed_step)
         return url
 
-    def _save(
-        self,
-        step: int,
-        *,
-        blocking: bool,
-        emergency: bool = False,
-        captured: Captured | None = None,
-    ) -> str | None:
-        self._collect_previous()
-        if self.last_committed_step == step:
-            return self._url(step)
-        if not emergency and self._failing():
-            return None  # the caller stops the job: no new save to wait for
-        started = time.monotonic()
-        state, meta, fresh = captured if captured is not None else self._state.capture(step)
-        self._state.detect_per_rank(state, meta)
-        extra = {"emergency": True} if emergency else {}
-        background = not blocking
-        try:
-            result = _save(
-                state,
-                self.root,
-                step,
-                metadata=meta,
-                process_group=self._group,
-                on_event=self._sink(**extra),
-                storage_options=self.storage_options,
-                retention=self.retention,
-                async_save=background,
-                overlap_staging=self._overlap(fresh) if background else None,
-                _saver=self._async,
-            )
-        except (SaveFailedError, StorageError) as exc:
-            self._report_failure(step, exc, emergency=emergency)
-            return None
-        if background:
-            assert isinstance(result, _async.PendingSave)
-            self._saves_in_flight[step] = extra
-            if self.rank == 0:
-                logger.info(
-                    "rank 0 step %d: checkpoint staged in %.3f s, committing in the background to %s",
-                    step,
-                    time.monotonic() - started,
-                    result.url,
-                )
-            return result.url
-        assert isinstance(result, str)
-        self.last_save_s = time.monotonic() - started
-        self.last_committed_step = step
-        self.consecutive_failures = 0
-        self._release_protection()
-        if self.rank == 0:
-            logger.info("rank 0 step %d: checkpoint committed at %s", step, result)
-        return result
-
-    def _overlap(self, fresh: list[str]) -> list[torch.optim.Optimizer] | None:
-        # The staging copy overlaps the next forward/backward; each optimizer's next
-        # step() waits for it. Only when optimizers are the only in-place writers of
-        # the saved tensors, which is what a training loop between two saves does.
-        optimizers = [opt for key, (opt, _) in self.app.optimizers.items() if key not in fresh]
-        return optimizers or None
-
-    def _url(self, step: int) -> str:
-        from ckpt.layout import checkpoint_dirname
-
-        return Storage(self.root, self.storage_options).url(checkpoint_dirname(step))
-
-    def _collect_previous(self, timeout: float | None = None) -> None:
-        """Wait for the background save in flight; record its outcome (all ranks)."""
-        pending = self._async.pending
-        if pending is None or pending.step not in self._saves_in_flight:
-            return
-        self._saves_in_flight.pop(pending.step)
-        try:
-            self._async.wait_pending(timeout)
-        except (SaveFailedError, StorageError) as exc:
-            self._report_failure(pending.step, exc)
-            return
-        self.last_save_s = pending.duration_s
-        self.last_committed_step = pending.step
-        self.consecutive_failures = 0
-        self._release_protection()
-
-    def _report_failure(self, step: int, exc: CheckpointError, *, emergency: bool = False) -> None:
-        """Count, log and report a failed save (every rank: saves fail on every rank at once)."""
-        self.consecutive_failures += 1
-        self._last_failure = f"step {step}: {exc}"
-        failures = f"{self.consecutive_failures} in a row"
-        if self.max_failures:
-            failures += f", the job stops at {self.max_failures}"
-        if emergency:
-            logger.error(
-                "rank %d: emergency checkpoint at step %d FAILED (%s): %s; a relaunch resumes "
-                "from the newest committed checkpoint",
-                self.rank, step, failures, exc,
-            )  # fmt: skip
-        else:
-            logger.error(
-                "rank %d step %d: checkpoint save failed (%s): %s",
-                self.rank, step, failures, exc,
-            )  # fmt: skip
-        self._emit(
-            ev.CHECKPOINT_FAILED,
-            step,
-            error=str(exc),
-            rank=self.rank,
-            consecutive=self.consecutive_failures,
-            **({"emergency": True} if emergency else {}),
-        )
-
-    def _release_protection(self) -> None:
-        """A newer commit exists: the checkpoint resumed from ages out like any other."""
-        if self.retention is not None and self.retention.protect:
-            self.retention = dataclasses.replace(self.retention, protect=frozenset())
-
-    def _failing(self) -> bool:
-        return bool(self.max_failures) and self.consecutive_failures >= self.max_failures
-
-    def _stop_if_failing(self, step: int) -> None:
-        """Raise on every rank together once ``max_failures`` saves in a row failed.
-
-        The count moves in lockstep on every rank: a save's outcome (and an async
-        save's, collected at the next save) is the same everywhere.
-        """
-        if not self._failing():
-            return
-        last = "none" if self.last_committed_step is None else f"step {self.last_committed_step}"
-        raise TooManySaveFailuresError(
-            f"rank {self.rank} step {step}: {self.consecutive_failures} checkpoint saves in a row "
-            f"failed under {self.root} (max_failures={self.max_failures}); the last one, "
-            f"{self._last_failure}. Stopping instead of training on without checkpoints "
-            f"(newest committed: {last}). Fix the storage and relaunch; it resumes from there"
-        )
+    def _save(self, step: int, **kwargs: Any) -> str | None:
+        return self._saves.run(step, **kwargs)
 
     def wait(self, timeout: float | None = None) -> str | None:
         """Wait for a background save (all ranks); return the newest committed URL or None."""
-        self._collect_previous(timeout)
-        return None if self.last_committed_step is None else self._url(self.last_committed_step)
+        self._saves.collect(timeout)
+        step = self._saves.last_committed_step
+        return None if step is None else self._saves.url(step)
+
+    @property
+    def last_committed_step(self) -> int | None:
+        """Step of the newest checkpoint this manager committed or resumed from."""
+        return self._saves.last_committed_step
+
+    @property
+    def last_save_s(self) -> float | None:
+        """Wall seconds of the last save that finished, sync or async (staging + persist)."""
+        return self._saves.last_save_s
+
+    @property
+    def retention(self) -> RetentionPolicy | None:
+        return self._saves.retention
+
+    @property
+    def failures(self) -> SaveFailures:
+        """Durable saves failed since the last commit, and the ``max_failures`` stop."""
+        return self._saves.failures
+
+    @property
+    def consecutive_failures(self) -> int:
+        """Durable saves that failed since the last commit (emergency saves included)."""
+        return self.failures.consecutive
+
+    @property
+    def max_failures(self) -> int:
+        return self.failures.max_failures
 
     # -- emergency saves (the saver protocol of ``elastic.RunGuard``) ----------------------
 
@@ -728,16 +365,14 @@ class CheckpointManager:
         The duration of the last save that finished (async included: staging and
         persist), else an estimate from the bytes this rank holds.
         """
-        if self.last_save_s is not None:
-            return self.last_save_s
-        return ESTIMATE_FIXED_S + self.app.local_bytes() / ESTIMATE_BYTES_PER_S
+        return expected_save_s(self.last_save_s, self.app.local_bytes())
 
     def emergency_save(self, step: int) -> bool:
         """Commit ``step`` synchronously after a termination signal (collective).
 
         Waits for a background save first; returns True when ``step`` is committed.
         """
-        self._collect_previous()
+        self._saves.collect()
         if self.last_committed_step == step:
             return True
         return self.save(step, blocking=True, emergency=True) is not None
@@ -758,13 +393,13 @@ class CheckpointManager:
         if self._closed:
             return
         try:
-            self._collect_previous(timeout)
-            self._async.close(timeout)
+            self._saves.collect(timeout)
+            self._saves.saver.close(timeout)
         except CheckpointError as exc:
             logger.error("rank %d: background checkpoint save failed: %s", self.rank, exc)
         finally:
             self._closed = True
-            self._group = None
+            self._group = self._saves.group = None
             if self._memory is not None:
                 self._memory.close(self.last_committed_step)
 

@@ -19,11 +19,15 @@ import dataclasses
 import os
 import socket
 import uuid
+from typing import Any
 
+from fsspec.implementations.local import LocalFileSystem
+
+from ckpt import dist as _dist
 from ckpt.errors import CheckpointDirError, StorageError
 from ckpt.faults import FaultRegistry
 from ckpt.layout import COMPLETE_NAME, DCP_METADATA_NAME, MANIFEST_NAME, parse_checkpoint_dirname
-from ckpt.storage import Storage
+from ckpt.storage import Storage, StorageOptions
 
 CHECKPOINT_FILES = (COMPLETE_NAME, MANIFEST_NAME, DCP_METADATA_NAME)
 """Files only a checkpoint directory holds: a root holding one is a checkpoint."""
@@ -131,3 +135,45 @@ def probe_writable(storage: Storage) -> None:
             f"({len(back)} bytes, wrote {len(payload)}); the storage does not keep what is "
             "written to it"
         )
+
+
+def check_root(root: str, options: StorageOptions, group: Any = None) -> None:
+    """Fail early, on every rank together, when ``root`` cannot be used (collective).
+
+    First the coordinator refuses a root that is, or is inside, a checkpoint
+    (:func:`refuse_checkpoint_as_root`; nothing is created there). Then a local root
+    is created, any root is listed (bounded by the storage timeouts) and a probe is
+    written, read back and deleted (:func:`probe_writable`: by every rank for a local
+    root, which may be a per-node disk; by the coordinator for an object store).
+    Raises :class:`CheckpointDirError` naming the root and what to fix.
+    """
+    coll = _dist.Collective(group)
+
+    def refuse() -> None:
+        try:
+            storage = Storage(root, options)
+            entries = storage.list_dir()
+        except Exception:  # unreachable: reported by check() below, with its cause
+            return
+        refuse_checkpoint_as_root(storage, entries)
+
+    coll.on_coordinator(f"checking that {root} is not a checkpoint", refuse)
+
+    def check() -> None:
+        try:
+            storage = Storage(root, options)
+            local = isinstance(storage.fs, LocalFileSystem)
+            if local:
+                storage.fs.makedirs(storage.path(), exist_ok=True)
+            storage.list_dir()
+            storage.check_reachable()  # a missing bucket lists as empty
+            if local or coll.is_coordinator:
+                probe_writable(storage)
+        except Exception as exc:  # any failure means the root is unusable
+            raise CheckpointDirError(
+                f"checkpoint root {root!r} is not reachable or writable: "
+                f"{type(exc).__name__}: {exc} [fix the path/URL, the permissions or "
+                "credentials, or free space]"
+            ) from exc
+
+    coll.on_every_rank(f"checking {root}", check)

@@ -1,0 +1,288 @@
+"""One resume of a :class:`~ckpt.manager.CheckpointManager`: tiers in order, newest first.
+
+:class:`ResumeWalk` is what :meth:`CheckpointManager.resume
+<ckpt.manager.CheckpointManager.resume>` runs: the coordinator finds the durable head
+(one listing of the root), then each tier (:mod:`ckpt.tiers`: the memory tier's
+snapshots first when it is on, then the durable root) offers candidates, newest first,
+and every candidate goes through the same steps whatever its tier: the shape check,
+fresh optimizers, the RNG decision, the per-rank layout, the tier's verified load,
+pushing the state into the objects, the ``resume`` event and the WARNING that says
+where the run resumed from. The walk decides nothing about saving: it reports what it
+loaded (:attr:`ResumeWalk.info`, :attr:`ResumeWalk.committed_step`) and the manager
+keeps it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt import dist as _dist
+from ckpt import per_rank
+from ckpt.app_state import AppState, shape_mismatch
+from ckpt.capture import MANAGER_META_KEY, StateCapture
+from ckpt.discovery import Catalog
+from ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointShapeError
+from ckpt.restore import LoadResult, refuse_only_quarantined
+from ckpt.rng import (
+    RNG_STATE_KEY,
+    capture_rng,
+    reseed_process,
+    restore_rng,
+    rng_device,
+    rng_key,
+)
+from ckpt.tiers import Candidate, DurableHead, Tier, manager_record
+from runcore import events as ev
+
+logger = logging.getLogger("ckpt.manager")  # the manager's messages: one logger to filter
+
+Emit = Callable[..., None]
+"""``emit(name, step, **fields)``: the manager's event callback."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeInfo:
+    """What :meth:`CheckpointManager.resume <ckpt.manager.CheckpointManager.resume>` restored."""
+
+    step: int
+    url: str
+    old_world_size: int
+    new_world_size: int
+    rng_restored: bool
+    bytes_read: int
+    duration_s: float
+    metadata: dict[str, Any]
+    """The user metadata saved with the checkpoint (``metadata=`` at save time)."""
+    tier: str = "durable"
+    """``"durable"`` (the root) or ``"memory"`` (a memory-tier snapshot, ``memory_every``)."""
+
+
+class ResumeWalk:
+    """One resume over ``tiers`` (collective: every rank walks the same candidates).
+
+    ``memory_on`` makes the walk report its choice (``tier_choice`` event, ``tier`` on
+    ``resume``), as it does whenever the memory tier is configured. ``memory_url(step)``
+    names a memory snapshot in a ``fallback`` event.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        app: AppState,
+        capture: StateCapture,
+        group: Any,
+        rank: int,
+        world_size: int,
+        rng: bool,
+        seed: int,
+        emit: Emit,
+        memory_url: Callable[[int], str] | None = None,
+    ) -> None:
+        self.root = root
+        self.app = app
+        self._capture = capture
+        self._group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.rng = rng
+        self.seed = seed
+        self._emit = emit
+        self._memory_url = memory_url
+        self.info: ResumeInfo | None = None
+        """What was loaded (None: nothing)."""
+        self.committed_step: int | None = None
+        """The newest durable commit after this resume (a memory snapshot is not one)."""
+        self.resumed_durable: int | None = None
+        """The durable checkpoint resumed from: retention must keep it until a newer commit."""
+
+    def run(self, catalog: Catalog, tiers: list[Tier], *, must: bool) -> int | None:
+        """Load the first candidate that fits; its step, or None when there is nothing."""
+        coll = _dist.Collective(self._group)
+
+        def newest() -> DurableHead | None:
+            info = catalog.latest_committed()
+            if info is None or info.manifest is None:
+                return None
+            attempt = info.manifest.attempt
+            return DurableHead(
+                info.step,
+                info.manifest.world_size,
+                manager_record(info.manifest.metadata),
+                attempt.run_id,
+                attempt.restart_count,
+            )
+
+        head = coll.on_coordinator(f"finding the newest checkpoint under {self.root}", newest)
+        notes: list[str] = []
+        for tier in tiers:
+            for cand in tier.candidates(head, notes):
+                loaded = self._resume_from(tier, cand, head, notes, must)
+                if loaded is not None:
+                    return None if loaded < 0 else loaded
+            tier.exhausted()
+        self._tier_choice("none", 0, head, notes)
+        refuse_only_quarantined(coll, catalog, self.root)  # damaged work is no fresh start
+        return self._nothing_to_resume(must)
+
+    def _resume_from(
+        self,
+        tier: Tier,
+        cand: Candidate,
+        head: DurableHead | None,
+        notes: list[str],
+        must: bool,
+    ) -> int | None:
+        """Resume from one candidate: its step; None to try the next; -1 for "nothing"."""
+        problem = shape_mismatch(self.app.tensor_shapes(), cand.record.get("shapes", {}))
+        if problem is not None:
+            if tier.strict:
+                raise CheckpointShapeError(
+                    f"checkpoint {self.root} (step {cand.step}) was written for a different "
+                    f"model: {problem}; load it with the model it was saved from, or use "
+                    "another root"
+                )
+            notes.append(
+                f"{tier.name} step {cand.step} was written for a different model: {problem}"
+            )
+            return None
+        started = time.monotonic()
+        fresh = [k for k in cand.record.get("fresh_optimizers", []) if k in self.app.optimizers]
+        want_rng = (
+            self.rng
+            and (tier.strict or bool(cand.record.get("rng", True)))
+            and cand.world_size == self.world_size
+        )
+        try:
+            layout = self._capture.per_rank_layout(cand.record, cand.world_size)
+            template = self.app.state_dict(skip_optimizers=fresh)
+            per_rank.move_out(template, *layout)
+            if want_rng:
+                template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
+            result, rng_loaded = tier.load(cand, template, want_rng, notes)
+        except CheckpointError as exc:
+            if tier.strict:
+                raise
+            notes.append(f"{tier.name} step {cand.step} rejected: {exc}")
+            if self.rank == 0:
+                logger.error(
+                    "%s snapshot of step %d rejected, trying the next tier: %s",
+                    tier.name, cand.step, exc,
+                )  # fmt: skip
+            url = self._memory_url(cand.step) if self._memory_url is not None else self.root
+            self._emit(
+                ev.FALLBACK,
+                cand.step,
+                tier=tier.name,
+                url=url,
+                path=getattr(exc, "path", ""),
+                reason=str(exc),
+            )
+            return None
+        if result is None:  # every committed checkpoint vanished between listing and loading
+            self._nothing_to_resume(must)
+            return -1
+        per_rank.move_back(template, *layout)
+        loaded = self._finish(result, template, rng_loaded, fresh, started, tier)
+        tier.resumed(cand)
+        if tier.strict:
+            self.committed_step = self.resumed_durable = loaded
+        else:
+            self.committed_step = head.step if head is not None else None
+        timings = getattr(tier, "timings", None)
+        self._tier_choice(tier.name, loaded, head, notes, timings)
+        return loaded
+
+    def _nothing_to_resume(self, must: bool) -> None:
+        """A resume that found no committed checkpoint: an error with ``must``, else said."""
+        if must:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {self.root} and resume is required "
+                "(must=True / --resume must); check the root, or resume only if one exists"
+            )
+        if self.rank == 0:
+            logger.warning(
+                "rank 0: no committed checkpoint under %s: starting from step 0", self.root
+            )
+
+    def _tier_choice(
+        self,
+        tier: str,
+        step: int,
+        head: DurableHead | None,
+        notes: list[str],
+        timings: dict[str, float] | None = None,
+    ) -> None:
+        """The ``tier_choice`` event of a resume with the memory tier on: which tier and why."""
+        if self._memory_url is None:
+            return
+        durable = None if head is None else head.step
+        against = f"durable {durable}" if durable is not None else "no durable checkpoint"
+        if tier == "memory":
+            why = f"memory step {step} newer than {against}"
+        elif tier == "durable":
+            why = f"durable step {step}: no usable memory snapshot newer than it"
+        else:
+            why = "nothing to resume from: no usable memory snapshot, no durable checkpoint"
+        if notes:
+            why += " (" + "; ".join(notes) + ")"
+        if self.rank == 0:
+            logger.info("rank 0: resume tier: %s", why)
+        extra = {"timings": {k: round(v, 4) for k, v in timings.items()}} if timings else {}
+        self._emit(ev.TIER_CHOICE, step, tier=tier, reason=why, durable_step=durable, **extra)
+
+    def _finish(
+        self,
+        result: LoadResult,
+        template: dict[str, Any],
+        rng_loaded: bool,
+        fresh: list[str],
+        started: float,
+        tier: Tier,
+    ) -> int:
+        """Push a loaded checkpoint into the objects, set RNG, record and report the resume."""
+        self.app.load(template, skip_optimizers=fresh)
+        self._capture.mark_resumed(int(result.step))
+        old_world = int(result.manifest.world_size)
+        loaded_step = int(result.step)
+        rng_restored = rng_loaded and old_world == self.world_size
+        if rng_restored:
+            restore_rng(template[RNG_STATE_KEY][rng_key(self.rank)], rng_device())
+        elif self.rng:
+            reseed_process(self.seed, loaded_step, self.rank)
+        user_meta = {k: v for k, v in result.metadata.items() if k != MANAGER_META_KEY}
+        url = tier.url(result)
+        self.info = info = ResumeInfo(
+            step=loaded_step,
+            url=url,
+            old_world_size=old_world,
+            new_world_size=self.world_size,
+            rng_restored=rng_restored,
+            bytes_read=int(result.bytes_read),
+            duration_s=time.monotonic() - started,
+            metadata=user_meta,
+            tier=tier.name,
+        )
+        if self.rank == 0:
+            logger.warning(
+                "rank 0: resumed step %d from %s (%s tier, world size %d -> %d, RNG %s, %.2f s)",
+                loaded_step, url, tier.name, old_world, self.world_size,
+                "restored" if rng_restored else "re-derived", info.duration_s,
+            )  # fmt: skip
+        extra = {"tier": tier.name} if self._memory_url is not None else {}
+        self._emit(
+            ev.RESUME,
+            loaded_step,
+            url=url,
+            old_world_size=old_world,
+            new_world_size=self.world_size,
+            rng_restored=rng_restored,
+            bytes=int(result.bytes_read),
+            duration_s=round(info.duration_s, 4),
+            **extra,
+        )
+        return loaded_step
