@@ -64,7 +64,7 @@ def async_rounds(
 
     import ckpt
     from bench.gpt import build_tiny_gpt
-    from trainer.loop import TrainProgress, train_step
+    from trainer.loop import train_step
 
     model, optim = build_trained(width)
     state = sharded_state(model, optim)
@@ -140,13 +140,11 @@ def async_rounds(
 
     # Interference: the tiny GPT trains on the default group; the save uses its own.
     g = build_tiny_gpt(rank, world)
-    progress = TrainProgress()
 
     def one_step() -> float:
         t0 = time.perf_counter()
-        train_step(g.model, g.optimizer, g.samples, g.order, g.layout, progress, g.cfg, g.ctx)
-        progress.step += 1
-        progress.cursor += g.layout.global_batch
+        train_step(g.model, g.optimizer, g.samples, g.sampler, g.layout, g.cfg, g.ctx)
+        g.sampler.advance()
         return time.perf_counter() - t0
 
     for _ in range(3):  # warm-up: allocations, gloo connections

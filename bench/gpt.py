@@ -22,6 +22,8 @@ class TinyGpt:
     optimizer: Any
     samples: Any
     order: Any
+    sampler: Any
+    """The trainer's data position (``elastic.ElasticSampler`` over the same order)."""
     layout: Any
 
 
@@ -31,6 +33,7 @@ def build_tiny_gpt(rank: int, world: int) -> TinyGpt:
 
     from trainer.build import build_model, build_optimizer
     from trainer.config import load_config
+    from elastic.sampler import ElasticSampler
     from trainer.data import BatchLayout, GlobalOrder, build_samples
     from trainer.distributed import DistContext
 
@@ -47,6 +50,9 @@ def build_tiny_gpt(rank: int, world: int) -> TinyGpt:
         optimizer=build_optimizer(model, cfg.optim),
         samples=samples,
         order=GlobalOrder(len(samples), cfg.data.seed),
+        sampler=ElasticSampler(
+            len(samples), cfg.data.global_batch, seed=cfg.data.seed, rank=rank, world_size=world
+        ),
         layout=BatchLayout.plan(cfg.data.global_batch, cfg.data.micro_batch, world),
     )
 

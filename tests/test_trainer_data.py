@@ -111,3 +111,28 @@ def test_token_file_local_and_url(tmp_path):
 def test_samples_digest_is_order_sensitive():
     assert samples_digest(np.array([1, 2, 3])) != samples_digest(np.array([3, 2, 1]))
     assert samples_digest(np.array([1, 2, 3])) == samples_digest(np.array([1, 2, 3]))
+
+
+@pytest.mark.parametrize(("world", "micro"), [(1, 2), (2, 1), (3, 2), (4, 3)])
+def test_trainer_sampler_gives_the_layout_ids_and_dropout_keys(world, micro):
+    """The trainer takes its micro-batches from ``ElasticSampler.micro_batches``: the same
+    sample ids as the batch layout (``micro_batch_ids``) and dropout keyed by
+    (step, rank * accum + k), so checkpoints and masks from before the switch carry on."""
+    from elastic.sampler import ElasticSampler
+
+    global_batch = 12 * micro
+    layout = BatchLayout.plan(global_batch, micro, world)
+    order = GlobalOrder(41, seed=5)
+    for rank in range(world):
+        sampler = ElasticSampler(41, global_batch, seed=5, rank=rank, world_size=world)
+        for step in range(1, 6):  # crosses an epoch boundary (41 samples)
+            cursor = (step - 1) * global_batch
+            assert sampler.cursor == cursor
+            local = sampler.local_batch_ids()
+            mbs = sampler.micro_batches(micro)
+            expected = micro_batch_ids(order, cursor, layout, rank)
+            assert len(mbs) == layout.accum == len(expected)
+            for k, (mb, ids) in enumerate(zip(mbs, expected, strict=True)):
+                assert np.array_equal(local[mb.local], ids)
+                assert (mb.step, mb.index) == (step, rank * layout.accum + k)
+            sampler.advance()

@@ -29,18 +29,11 @@ from torch.distributed.tensor import DTensor
 from ckpt import CheckpointManager, RetentionPolicy
 from elastic.events import RunRecorder
 from elastic.guard import RunGuard
-from elastic.rng import sample_rng
+from elastic.sampler import ElasticSampler
 from runcore import events as ev
 from trainer.build import build_model, build_optimizer
 from trainer.config import TrainConfig
-from trainer.data import (
-    BatchLayout,
-    GlobalOrder,
-    TokenSamples,
-    build_samples,
-    micro_batch_ids,
-    samples_digest,
-)
+from trainer.data import BatchLayout, TokenSamples, build_samples, samples_digest
 from trainer.distributed import DistContext
 from trainer.schedule import lr_at
 
@@ -49,20 +42,29 @@ logger = logging.getLogger(__name__)
 FINAL_PARAMS_FILE = "final_params.pt"
 ENV_CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
 """Set (if unset) before CUDA work when ``run.deterministic``; a user's value wins."""
-METADATA_VERSION = 1
-
+METADATA_VERSION = 2
+"""2: step and data position are checkpointed state (``train``, ``sampler``), not metadata."""
 
 
 @dataclass(slots=True, kw_only=True)
 class TrainProgress:
-    """Where training stands: optimizer steps done and global samples consumed."""
+    """Optimizer steps done and the world sizes that trained (checkpointed: ``Stateful``).
+
+    The data position is the ``ElasticSampler``'s (checkpointed next to it): the
+    global samples consumed, ``step * global_batch``.
+    """
 
     step: int = 0
     """Optimizer steps completed (the next step is ``step + 1``)."""
-    cursor: int = 0
-    """Global data cursor: samples consumed by the whole job."""
     world_sizes: list[int] = field(default_factory=list)
     """World size of each attempt that trained, in order (for diagnosis)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "world_sizes": list(self.world_sizes)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.world_sizes = [int(w) for w in state["world_sizes"]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,28 +80,28 @@ def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     samples: TokenSamples,
-    order: GlobalOrder,
+    sampler: ElasticSampler,
     layout: BatchLayout,
-    progress: TrainProgress,
     cfg: TrainConfig,
     ctx: DistContext,
 ) -> StepResult:
-    """One optimizer step over the global batch at ``progress.cursor`` (collective).
+    """One optimizer step over the sampler's global batch (collective; the caller advances it).
 
     The loss is the sum of per-sample losses divided by the global batch; gradients are
     SUM-reduced across ranks, so the update is the same at every world size.
     """
-    step = progress.step + 1
     model.train()
-    local_ids = micro_batch_ids(order, progress.cursor, layout, ctx.rank)
+    local = sampler.local_batch_ids()
+    micro_batches = sampler.micro_batches(layout.micro)
+    local_ids = [local[mb.local] for mb in micro_batches]
     loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
-    for k, ids in enumerate(local_ids):
+    for k, (mb, ids) in enumerate(zip(micro_batches, local_ids, strict=True)):
         inputs, targets = samples.get(ids)
         inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
         model.set_requires_gradient_sync(k == layout.accum - 1)  # reduce once, after the last
         # Dropout keyed by the global micro-batch index, never the rank: the same masks on
         # every world size; the process RNG outside the scope is left as it was.
-        with sample_rng(cfg.run.seed, step, ctx.rank * layout.accum + k):
+        with mb.rng(cfg.run.seed):
             per_sample = model(inputs, targets)
             (per_sample.sum() / layout.global_batch).backward()
         loss_sum += per_sample.detach().sum()
@@ -147,7 +149,8 @@ class TrainingRun:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     samples: TokenSamples
-    order: GlobalOrder
+    sampler: ElasticSampler
+    """The data position: the job's global sample order and cursor (checkpointed)."""
     layout: BatchLayout
 
 
@@ -160,7 +163,13 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> TrainingRun:
         model=model,
         optimizer=build_optimizer(model, cfg.optim),
         samples=samples,
-        order=GlobalOrder(len(samples), cfg.data.seed),
+        sampler=ElasticSampler(
+            len(samples),
+            cfg.data.global_batch,
+            seed=cfg.data.seed,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+        ),
         layout=layout,
     )
 
@@ -175,9 +184,10 @@ def build_checkpoints(
 ) -> CheckpointManager | None:
     """The checkpoint manager of this attempt (None without ``checkpoint.dir``); collective.
 
-    Model and optimizer are the checkpointed objects; the step, data cursor and the
-    world-size history travel in the manifest's metadata, next to what identifies the
-    run (seeds, global batch, model digest).
+    The checkpointed objects are the model, the optimizer, the sampler (data position)
+    and the progress (step, world sizes): a resume puts each back, nothing is read from
+    metadata. The manifest's metadata says what identifies the run (seeds, global
+    batch, model digest) for a reader of the checkpoint.
     """
     if not cfg.checkpoint.dir:
         return None
@@ -185,11 +195,8 @@ def build_checkpoints(
     def metadata(step: int) -> dict[str, Any]:
         return {
             "trainer_metadata_version": METADATA_VERSION,
-            "step": step,
-            "data_cursor": progress.cursor,
             "lr_schedule": {"kind": "warmup_cosine", "step": step},
             "world_size": ctx.world_size,
-            "world_sizes": progress.world_sizes,
             "seed": cfg.run.seed,
             "data_seed": cfg.data.seed,
             "global_batch": cfg.data.global_batch,
@@ -198,14 +205,14 @@ def build_checkpoints(
         }
 
     def on_event(name: str, step: int, **fields: Any) -> None:
-        if name == ev.RESUME and manager.last_resume is not None:
-            fields["data_cursor"] = int(manager.last_resume.metadata["data_cursor"])
+        if name == ev.RESUME:  # the sampler is loaded when the resume is reported
+            fields["data_cursor"] = run.sampler.cursor
             fields["restart_count"] = attempt
         recorder.event(name, step, **fields)
 
     manager = CheckpointManager(
         cfg.checkpoint.dir,
-        {"model": run.model, "optim": run.optimizer},
+        {"model": run.model, "optim": run.optimizer, "sampler": run.sampler, "train": progress},
         every=cfg.checkpoint.every,
         async_save=cfg.checkpoint.async_save,
         seed=cfg.run.seed,
@@ -229,7 +236,7 @@ def retention_policy(cfg: TrainConfig) -> RetentionPolicy | None:
 
 
 def resume(
-    manager: CheckpointManager, progress: TrainProgress, cfg: TrainConfig, ctx: DistContext
+    manager: CheckpointManager, run: TrainingRun, cfg: TrainConfig, ctx: DistContext
 ) -> None:
     """Resume from the newest committed checkpoint, or check the root is usable (collective).
 
@@ -241,15 +248,9 @@ def resume(
         return
     if ctx.is_main:
         logger.info("rank 0: looking for a committed checkpoint under %s", manager.root)
-    if manager.resume(must=cfg.checkpoint.resume == "must") is None:
-        return
-    resumed = manager.last_resume
-    assert resumed is not None
-    progress.step = int(resumed.metadata["step"])
-    progress.cursor = int(resumed.metadata["data_cursor"])
-    progress.world_sizes = [int(w) for w in resumed.metadata.get("world_sizes", [])]
-    if ctx.is_main:  # the manager said the resume itself at WARNING
-        logger.info("rank 0: data cursor %d after step %d", progress.cursor, progress.step)
+    step = manager.resume(must=cfg.checkpoint.resume == "must")
+    if step is not None and ctx.is_main:  # the manager said the resume itself at WARNING
+        logger.info("rank 0: data cursor %d after step %d", run.sampler.cursor, step)
 
 
 def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainProgress:
@@ -281,7 +282,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
     with guard:  # closes the manager on exit (the drain stays guarded)
         if manager is not None:
             with guard.slow_phase():
-                resume(manager, progress, cfg, ctx)
+                resume(manager, run, cfg, ctx)
         progress.world_sizes.append(ctx.world_size)
         recorder.event(ev.START, progress.step, world_size=ctx.world_size, restart_count=attempt)
 
@@ -290,19 +291,17 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
             for group in optimizer.param_groups:
                 group["lr"] = lr
             started = time.perf_counter()
-            result = train_step(
-                model, optimizer, run.samples, run.order, layout, progress, cfg, ctx
-            )
+            result = train_step(model, optimizer, run.samples, run.sampler, layout, cfg, ctx)
             elapsed = time.perf_counter() - started
             guard.record_step_time(elapsed)
             progress.step = step
-            progress.cursor += layout.global_batch
+            run.sampler.advance()
 
             tokens_per_s = layout.global_batch * cfg.model.seq_len / max(elapsed, 1e-9)
             recorder.metrics({
                 "step": step, "loss": result.loss, "lr": lr, "world_size": ctx.world_size,
                 "restart_count": attempt, "tokens_per_s": tokens_per_s, "grad_norm": result.grad_norm,
-                "samples_digest": samples_digest(result.sample_ids), "data_cursor": progress.cursor,
+                "samples_digest": samples_digest(result.sample_ids), "data_cursor": run.sampler.cursor,
                 "step_time_s": elapsed,
             })  # fmt: skip
             if ctx.is_main and (step % cfg.run.log_every == 0 or step == cfg.run.max_steps):
