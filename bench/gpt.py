@@ -31,9 +31,9 @@ def build_tiny_gpt(rank: int, world: int) -> TinyGpt:
     """Model, optimizer and data of ``examples/tiny_gpt.toml`` on this rank (collective)."""
     import torch
 
+    from elastic.sampler import ElasticSampler
     from trainer.build import build_model, build_optimizer
     from trainer.config import load_config
-    from elastic.sampler import ElasticSampler
     from trainer.data import BatchLayout, GlobalOrder, build_samples
     from trainer.distributed import DistContext
 

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from elastic.distributed import DistContext, close_distributed, init_distributed
+    from elastic.errors import MicroBatchSplitError, Preempted, PreemptionHandlerError
     from elastic.events import RunRecorder
     from elastic.faults import FaultPlan, InjectedFault, parse_fault_spec
-    from elastic.guard import EmergencySaver, Preempted, RunGuard
+    from elastic.guard import EmergencySaver, RunGuard
     from elastic.heartbeat import PEER_SILENT_EXIT_CODE
-    from elastic.preemption import PreemptionHandlerError
     from elastic.process import exit_now
-    from elastic.rng import MicroBatch, MicroBatchSplitError, sample_rng
+    from elastic.rng import MicroBatch, sample_rng
     from elastic.sampler import ElasticSampler, samples_digest
 
 _EXPORTS: dict[str, str] = {
@@ -36,17 +36,17 @@ _EXPORTS: dict[str, str] = {
     "InjectedFault": "elastic.faults",
     "parse_fault_spec": "elastic.faults",
     "EmergencySaver": "elastic.guard",
-    "Preempted": "elastic.guard",
+    "Preempted": "elastic.errors",
     "RunGuard": "elastic.guard",
     "PEER_SILENT_EXIT_CODE": "elastic.heartbeat",
     "ElasticSampler": "elastic.sampler",
     "samples_digest": "elastic.sampler",
     "MicroBatch": "elastic.rng",
-    "MicroBatchSplitError": "elastic.rng",
+    "MicroBatchSplitError": "elastic.errors",
     "sample_rng": "elastic.rng",
     "RunRecorder": "elastic.events",
     "exit_now": "elastic.process",
-    "PreemptionHandlerError": "elastic.preemption",
+    "PreemptionHandlerError": "elastic.errors",
 }
 """The public names: what a training script needs. Everything else is reachable in its
 module (``elastic.watchdog.Watchdog``, ``elastic.identity.RunIdentity``, ...)."""

@@ -34,12 +34,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
+from elastic.errors import Preempted
 from elastic.faults import FaultPlan, FaultSpec
 from elastic.heartbeat import (
     DEFAULT_HEARTBEAT_S,
@@ -102,30 +102,6 @@ class EmergencySaver(Protocol):
     def emergency_save(self, step: int) -> bool: ...
 
     def inject_storage_fault(self, spec: str) -> None: ...
-
-
-class Preempted(SystemExit):
-    """A termination signal stopped training at a step boundary (after any emergency save).
-
-    A ``SystemExit``: uncaught, the process exits with ``128 + signal`` (143 for
-    SIGTERM), after ``with`` blocks (the checkpoint manager's close) have run.
-    """
-
-    def __init__(self, step: int, signal_name: str, saved: bool) -> None:
-        super().__init__(128 + int(getattr(signal, signal_name, signal.SIGTERM)))
-        self.step = step
-        self.signal_name = signal_name
-        self.saved = saved
-
-    @property
-    def exit_code(self) -> int:
-        return int(self.code)  # type: ignore[arg-type]
-
-    def __str__(self) -> str:
-        how = (
-            " (emergency checkpoint saved)" if self.saved else " (resume from the last checkpoint)"
-        )
-        return f"stopped by {self.signal_name} after step {self.step}{how}"
 
 
 class RunGuard:

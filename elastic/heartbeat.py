@@ -563,4 +563,3 @@ class PeerHeartbeat:
             self._stop.set()
             return
         leave_from_monitor(self.exit_code)
-

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from elastic.errors import PreemptionHandlerError
+
 if TYPE_CHECKING:
     import torch.distributed as dist
 
@@ -70,10 +72,6 @@ GRACE_ENV_PRECEDENCE: tuple[str, ...] = (
 DEFAULT_GRACE_S = 30.0
 """torchrun's default wait between the termination signal and SIGKILL."""
 DEFAULT_SAFETY_FACTOR = 1.5
-
-
-class PreemptionHandlerError(RuntimeError):
-    """The preemption handler cannot be installed or used as asked."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -29,12 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from elastic.errors import MicroBatchSplitError
+
 DROPOUT_STREAM = 0xD0
 """Last part of the key of every micro-batch seed (separates it from other derived streams)."""
-
-
-class MicroBatchSplitError(ValueError):
-    """The per-rank batch cannot be cut into micro-batches of the requested size."""
 
 
 def derive_seed(*parts: int) -> int:

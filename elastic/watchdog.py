@@ -227,4 +227,3 @@ class Watchdog:
                          limit_s=ON_STALL_LIMIT_S,
                          what=f"rank {self.rank}: watchdog on_stall callback")  # fmt: skip
         leave_from_monitor(self.exit_code)
-

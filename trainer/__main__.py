@@ -16,7 +16,7 @@ import logging
 import sys
 
 import ckpt
-from elastic.guard import Preempted
+from elastic.errors import Preempted
 from elastic.identity import RunIdentity
 from elastic.process import exit_now
 from trainer.cli import build_parser, config_from_args

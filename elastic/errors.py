@@ -1,0 +1,45 @@
+"""Every exception ``elastic`` raises on purpose, in one place (standard library only).
+
+- :class:`Preempted`: a termination signal stopped training at a step boundary; a
+  ``SystemExit`` whose code is ``128 + signal`` (143 for SIGTERM).
+- :class:`PreemptionHandlerError`: the preemption handler cannot be installed or used.
+- :class:`MicroBatchSplitError` (a ``ValueError``): the per-rank batch cannot be cut into
+  micro-batches of the asked size.
+- :class:`InjectedFault` (``elastic.faults``): a ``raise`` fault of the fault plan fired.
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class Preempted(SystemExit):
+    """A termination signal stopped training at a step boundary (after any emergency save).
+
+    A ``SystemExit``: uncaught, the process exits with ``128 + signal`` (143 for
+    SIGTERM), after ``with`` blocks (the checkpoint manager's close) have run.
+    """
+
+    def __init__(self, step: int, signal_name: str, saved: bool) -> None:
+        super().__init__(128 + int(getattr(signal, signal_name, signal.SIGTERM)))
+        self.step = step
+        self.signal_name = signal_name
+        self.saved = saved
+
+    @property
+    def exit_code(self) -> int:
+        return int(self.code)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        how = (
+            " (emergency checkpoint saved)" if self.saved else " (resume from the last checkpoint)"
+        )
+        return f"stopped by {self.signal_name} after step {self.step}{how}"
+
+
+class PreemptionHandlerError(RuntimeError):
+    """The preemption handler cannot be installed or used as asked."""
+
+
+class MicroBatchSplitError(ValueError):
+    """The per-rank batch cannot be cut into micro-batches of the requested size."""
