@@ -33,6 +33,9 @@ The model of a checkpoint as Hugging Face safetensors or one torch file (streame
     ckpt.export("gs://bucket/run1", "./my-model", dtype="bf16")   # python -m ckpt export
 
 Layout, manifest and commit rules: docs/design.md. ``python -m ckpt --help`` for the CLI.
+Only what a script needs is exported here; the parts behind it (``ckpt.storage.Storage``,
+``ckpt.manifest``, ``ckpt.retention.apply_retention``, the storage error subclasses in
+``ckpt.errors``) are importable from their modules.
 """
 
 from __future__ import annotations
@@ -46,31 +49,25 @@ from ckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointShapeError,
-    CheckpointUnreadableError,
     CorruptCheckpointError,
     DataPositionError,
+    ExportError,
     FencedError,
     NoLoadableCheckpointError,
     SaveFailedError,
     StateMismatchError,
     StorageError,
-    StorageFullError,
-    StoragePermanentError,
-    StorageTimeoutError,
     TooManySaveFailuresError,
 )
-from ckpt.export import ExportError, ExportResult, export
-from ckpt.faults import FaultRegistry, StorageFault
+from ckpt.export import ExportResult, export
 from ckpt.manager import CheckpointManager, ResumeInfo
-from ckpt.manifest import Attempt, CompleteMarker, Manifest
 from ckpt.per_rank import PerRank
-from ckpt.restore import LoadResult, SkippedCheckpoint, load
-from ckpt.retention import RetentionPlan, RetentionPolicy, apply_retention, plan_retention
-from ckpt.storage import Storage, StorageOptions
+from ckpt.restore import LoadResult, load
+from ckpt.retention import RetentionPolicy
+from ckpt.storage import StorageOptions
 from ckpt.verify import VerifyReport, verify_dir
 
 __all__ = [
-    "Attempt",
     "CheckpointDirError",
     "CheckpointError",
     "CheckpointExistsError",
@@ -78,41 +75,28 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointShapeError",
-    "CheckpointUnreadableError",
-    "CompleteMarker",
     "CorruptCheckpointError",
     "DataPositionError",
     "ExportError",
     "ExportResult",
-    "FaultRegistry",
     "FencedError",
     "LoadResult",
-    "Manifest",
     "NoLoadableCheckpointError",
     "PendingSave",
     "PerRank",
     "ResumeInfo",
-    "RetentionPlan",
     "RetentionPolicy",
     "SaveFailedError",
-    "SkippedCheckpoint",
     "StateMismatchError",
-    "Storage",
     "StorageError",
-    "StorageFault",
-    "StorageFullError",
     "StorageOptions",
-    "StoragePermanentError",
-    "StorageTimeoutError",
     "TooManySaveFailuresError",
     "VerifyReport",
-    "apply_retention",
     "close",
     "export",
     "find_latest_committed",
     "list_checkpoints",
     "load",
-    "plan_retention",
     "save",
     "verify_dir",
     "wait_pending",

@@ -39,14 +39,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ckpt.errors import StateSpecError
 from ckpt.per_rank import PER_RANK_KEY, PerRank
 from ckpt.rng import RNG_STATE_KEY
 
 PLAIN_TYPES = (int, float, str, bool, type(None))
-
-
-class StateSpecError(TypeError):
-    """A value in the manager's state dict cannot be checkpointed as given."""
 
 
 def is_stateful(obj: Any) -> bool:

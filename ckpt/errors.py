@@ -1,7 +1,9 @@
 """Exception types raised by :mod:`ckpt`.
 
 Every message names the URL (and where it matters the step, file and rank) and
-says what to do. Catch :class:`CheckpointError` to handle any of them.
+says what to do. Catch :class:`CheckpointError` to handle any of them
+(:class:`StateSpecError`, a bad state dict given to the manager, is a ``TypeError``).
+Every exception ``ckpt`` raises on purpose is defined here.
 """
 
 from __future__ import annotations
@@ -109,3 +111,11 @@ class CheckpointShapeError(StateMismatchError):
 
 class DataPositionError(CheckpointError):
     """A save where training steps advanced but the data position (sampler cursor) did not."""
+
+
+class ExportError(CheckpointError):
+    """The export cannot be done as asked (bad input, existing output, wrong checkpoint)."""
+
+
+class StateSpecError(TypeError):
+    """A value in the manager's state dict cannot be checkpointed as given (a ``TypeError``)."""

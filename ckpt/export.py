@@ -66,7 +66,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckpt.checksum import crc32c_of
 from ckpt.discovery import COMMITTED, resolve
-from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.errors import CorruptCheckpointError, ExportError
 from ckpt.manifest import Manifest
 from ckpt.quarantine import parse_quarantined_dirname
 from ckpt.reader import ShardReader
@@ -121,10 +121,6 @@ _SIZE_UNITS = {
 }
 
 Rename = Callable[[str], "str | None"] | Mapping[str, "str | None"]
-
-
-class ExportError(CheckpointError):
-    """The export cannot be done as asked (bad input, existing output, wrong checkpoint)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

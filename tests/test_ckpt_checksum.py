@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import Storage, checksum
+from ckpt import checksum
 from ckpt.checksum import ChecksummingWriter, crc32c_combine, crc32c_of, encode_crc32c
+from ckpt.storage import Storage
 
 
 @pytest.mark.parametrize("seed", range(5))

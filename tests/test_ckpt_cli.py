@@ -13,6 +13,7 @@ import torch
 
 import ckpt
 from ckpt.cli import human_bytes, main
+from ckpt.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,7 +30,7 @@ def populated(tmp_root):
     # A partial save of step 40: a process killed before writing COMPLETE (a save that
     # fails in a living process removes its directory itself).
     ckpt.save({"w": torch.randn(64, 64), "step": 40}, tmp_root, 40)
-    ckpt.Storage(tmp_root).remove("checkpoint_0000040/COMPLETE")
+    Storage(tmp_root).remove("checkpoint_0000040/COMPLETE")
     return tmp_root
 
 

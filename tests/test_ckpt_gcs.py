@@ -20,6 +20,7 @@ from test_ckpt_core import assert_state_equal, blank_state, make_state
 
 import ckpt
 from ckpt import faults
+from ckpt.errors import StoragePermanentError
 from ckpt.faults import StorageFault
 from ckpt.storage import Storage, StorageOptions
 from testing.gcs_emulator import emulator_env, gcs_filesystem
@@ -263,7 +264,7 @@ def test_missing_bucket_save_and_load_fail_fast_and_clearly(gcs_emulator):
     # return None (the trainer would silently start from scratch on a typo).
     for missing_ok in (False, True):
         started = time.monotonic()
-        with pytest.raises(ckpt.StoragePermanentError, match="bucket 'no-such-bucket") as err:
+        with pytest.raises(StoragePermanentError, match="bucket 'no-such-bucket") as err:
             ckpt.load(blank_state(), MISSING_BUCKET_ROOT, missing_ok=missing_ok)
         assert MISSING_BUCKET_ROOT in str(err.value)
         assert time.monotonic() - started < 10

@@ -20,7 +20,7 @@ import torch
 
 import ckpt
 from ckpt.root_check import _parents
-from ckpt.storage import is_disk_full
+from ckpt.storage import Storage, is_disk_full
 from testing import mounts
 from testing.spawn import run_ok
 
@@ -147,14 +147,14 @@ def test_on_gcs_the_probe_leaves_nothing_and_a_checkpoint_url_is_refused(gcs_roo
     with ckpt.CheckpointManager(gcs_root, {"model": model, "optim": optim}) as manager:
         assert manager.resume() is None
         assert manager.save(2) is not None
-    before = ckpt.Storage(gcs_root).list_files()
+    before = Storage(gcs_root).list_files()
     assert all(name.startswith("checkpoint_0000002/") for name in before), sorted(before)
     model, optim = _model()
     inside = ckpt.CheckpointManager(f"{gcs_root}/checkpoint_0000002", {"model": model})
     with pytest.raises(ckpt.CheckpointDirError, match=f"--ckpt-dir {gcs_root}"):
         inside.resume()
     inside.close()
-    assert ckpt.Storage(gcs_root).list_files().keys() == before.keys()
+    assert Storage(gcs_root).list_files().keys() == before.keys()
 
 
 @pytest.mark.parametrize(
@@ -168,7 +168,7 @@ def test_on_gcs_the_probe_leaves_nothing_and_a_checkpoint_url_is_refused(gcs_roo
     ],
 )
 def test_the_parents_checked_stop_at_the_bucket(url, parents):
-    assert _parents(ckpt.Storage(url)) == parents
+    assert _parents(Storage(url)) == parents
 
 
 # -- resume must -------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from ckpt.retention import (
     describe,
     plan_retention,
 )
+from ckpt.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,7 +75,7 @@ def test_apply_retention_deletes_old_and_dead_partial(memory_root):
     for step in (100, 200, 300, 400):
         _save(memory_root, step)
     _save(memory_root, 250)  # a dead attempt's partial directory, older than 400: it was
-    ckpt.Storage(memory_root).remove("checkpoint_0000250/COMPLETE")  # killed before COMPLETE
+    Storage(memory_root).remove("checkpoint_0000250/COMPLETE")  # killed before COMPLETE
     dry = apply_retention(memory_root, RetentionPolicy(keep_last=2, keep_every=200), dry_run=True)
     assert [i.step for i in ckpt.list_checkpoints(memory_root)] == [400, 300, 250, 200, 100]
     plan = apply_retention(memory_root, RetentionPolicy(keep_last=2, keep_every=200))

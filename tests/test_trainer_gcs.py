@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import ckpt
+from ckpt.storage import Storage
 from testing.gcs_emulator import create_bucket, emulator_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +49,7 @@ def test_trainer_checkpoints_to_gcs_and_resumes(gcs_emulator, tmp_path):
     assert [e["step"] for e in events if e["event"] == "checkpoint_saved"] == [2, 4, 6]
     latest = ckpt.find_latest_committed(root)
     assert latest.step == 6
-    report = ckpt.verify_dir(ckpt.Storage(root).child(latest.dirname), latest.manifest)
+    report = ckpt.verify_dir(Storage(root).child(latest.dirname), latest.manifest)
     assert report.ok and report.crc_checked == len(latest.manifest.files)
 
 

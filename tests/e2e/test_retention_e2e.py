@@ -23,6 +23,7 @@ import textwrap
 import pytest
 
 import ckpt
+from ckpt.retention import apply_retention
 from testing.local_cluster import REPO
 from testing.procs import RunTimeoutError, torchrun_trainer
 
@@ -115,7 +116,7 @@ PRUNE = textwrap.dedent(
         real_tree(self, key)
 
     Storage.remove, Storage.remove_tree = remove, remove_tree
-    ckpt.apply_retention(root, ckpt.RetentionPolicy(keep_last=2, keep_every=4))
+    apply_retention(root, ckpt.RetentionPolicy(keep_last=2, keep_every=4))
     print("finished")
     """
 )
@@ -152,5 +153,5 @@ def test_a_kill_at_any_point_of_a_prune_leaves_no_torn_checkpoint(tmp_path, root
             assert torch.equal(loaded["w"], states[step]["w"]), (kill_at, step)
         loaded = {"w": torch.zeros(64), "step": -1}
         assert ckpt.load(loaded, case).step == 7
-        ckpt.apply_retention(case, ckpt.RetentionPolicy(keep_last=2, keep_every=4))
+        apply_retention(case, ckpt.RetentionPolicy(keep_last=2, keep_every=4))
         assert [i.step for i in ckpt.list_checkpoints(case)] == [7, 6, 4], kill_at
