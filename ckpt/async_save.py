@@ -148,7 +148,7 @@ class AsyncSaver:
     """The asynchronous-save state of one owner: the save in flight, staging buffers, gates.
 
     A :class:`ckpt.CheckpointManager` owns one; the thin :func:`ckpt.save` uses the
-    process default (:data:`DEFAULT`). At most one save per saver is in flight.
+    process default (:func:`default_saver`). At most one save per saver is in flight.
     """
 
     def __init__(self) -> None:
@@ -320,18 +320,11 @@ class AsyncSaver:
             )
 
 
-DEFAULT = AsyncSaver()
-"""The saver behind the module-level :func:`ckpt.save` (a manager owns its own)."""
+def default_saver() -> AsyncSaver:
+    """The saver of the module-level :func:`ckpt.save` (``ckpt.defaults``; a manager owns its own)."""
+    from ckpt.defaults import process_defaults  # the defaults module imports this one
 
-
-def submit(state: dict[str, Any], runner: SaveRunner, **kwargs: Any) -> PendingSave:
-    """:meth:`AsyncSaver.submit` on the process default saver."""
-    return DEFAULT.submit(state, runner, **kwargs)
-
-
-def wait_for_previous(step: int | None = None) -> None:
-    """:meth:`AsyncSaver.wait_for_previous` on the process default saver."""
-    DEFAULT.wait_for_previous(step)
+    return process_defaults().saver
 
 
 def wait_pending(timeout: float | None = None) -> str | None:
@@ -340,15 +333,19 @@ def wait_pending(timeout: float | None = None) -> str | None:
     Raises the save's error unless it was already raised elsewhere, and
     :class:`TimeoutError` if it is still running after ``timeout`` seconds.
     """
-    return DEFAULT.wait_pending(timeout)
+    return default_saver().wait_pending(timeout)
 
 
 def close(timeout: float | None = None) -> str | None:
     """Drain the default saver like :func:`wait_pending`, then free its staging buffer.
 
-    Every rank calls it, before ``destroy_process_group``.
+    Every rank calls it, before ``destroy_process_group``. Creates nothing when no
+    one-off function ran in this process.
     """
-    return DEFAULT.close(timeout)
+    from ckpt.defaults import created
+
+    defaults = created()
+    return None if defaults is None else defaults.saver.close(timeout)
 
 
 def save_thread_nice() -> int:

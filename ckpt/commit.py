@@ -62,7 +62,6 @@ def _utc_now() -> str:
 
 def process_start_time() -> float:
     """Unix time at which this process started (Linux /proc; else the first call's time)."""
-    global _start_fallback
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
@@ -70,12 +69,11 @@ def process_start_time() -> float:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
-        if _start_fallback is None:
-            _start_fallback = time.time()
-        return _start_fallback
+        return _IMPORTED_AT
 
 
-_start_fallback: float | None = None
+_IMPORTED_AT = time.time()
+"""Where /proc cannot tell the process start: when ckpt was imported (a constant)."""
 
 
 def _local_identity() -> dict[str, Any]:
@@ -140,7 +138,9 @@ def save(
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     optimizers = _optimizers(overlap_staging, async_save)
-    saver = _async.DEFAULT if _saver is None else _saver  # a CheckpointManager passes its own
+    saver = (
+        _async.default_saver() if _saver is None else _saver
+    )  # a CheckpointManager passes its own
     saver.wait_for_previous(step)
     started = time.monotonic()
     # In the caller's thread: creating the checkpoint group is itself a collective,
@@ -199,8 +199,8 @@ def _save_staged(
     saver: _async.AsyncSaver,
 ) -> str:
     """The save protocol (module docstring) on ``state``; on the caller's or the save thread."""
-    storage.fault_registry.rank = coll.rank
-    storage.fault_registry.step = step
+    storage.faults.rank = coll.rank
+    storage.faults.step = step
     dirname = checkpoint_dirname(step)
     ckpt_dir = storage.child(dirname)
     url = ckpt_dir.root_url

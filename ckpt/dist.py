@@ -35,8 +35,6 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
 T = TypeVar("T")
 
-_groups: dict[int, Any] = {}
-
 
 def new_checkpoint_group(timeout_s: float | None = None) -> Any:
     """A new gloo group over every rank for checkpoint collectives (collective call).
@@ -53,14 +51,11 @@ def new_checkpoint_group(timeout_s: float | None = None) -> Any:
 
 
 def _checkpoint_group() -> Any:
+    """The one-off functions' checkpoint group over the default group (``ckpt.defaults``)."""
+    from ckpt.defaults import process_defaults  # defaults imports modules that import this
+
     default = dist.distributed_c10d._get_default_group()
-    key = id(default)
-    group = _groups.get(key)
-    if group is None:
-        group = new_checkpoint_group()
-        _groups.clear()  # a previous default group is gone; drop its subgroup
-        _groups[key] = group
-    return group
+    return process_defaults().checkpoint_group(default, new_checkpoint_group)
 
 
 def release_groups() -> None:
@@ -69,7 +64,11 @@ def release_groups() -> None:
     A reference to a destroyed gloo group that lives until interpreter teardown can
     abort the process there ("terminate called without an active exception").
     """
-    _groups.clear()
+    from ckpt.defaults import created
+
+    defaults = created()
+    if defaults is not None:
+        defaults.release_groups()
 
 
 class Collective:

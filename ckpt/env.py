@@ -28,7 +28,7 @@ VARIABLES: dict[str, str] = {
     STORAGE_TIMEOUT_S: "seconds one storage call may take before it is retried (default 300)",
     STORAGE_RETRIES: "attempts per storage call, first included (default 6)",
     STORAGE_RETRY_TOTAL_S: "seconds of retrying per call before giving up (default 120)",
-    STORAGE_FAULTS: "storage fault specs armed at the first storage call (tests, drills)",
+    STORAGE_FAULTS: "storage fault specs, read when a fault registry is built (tests, drills)",
     COLLECTIVE_TIMEOUT_S: "seconds a rank waits in a checkpoint collective (default 600)",
     SAVE_BLOCK_BYTES: "tensor shards above this many bytes are saved as row blocks (8 MiB)",
     SAVE_THREAD_NICE: "nice value of the background save thread (default 19; 0 disables)",

@@ -13,10 +13,15 @@ next ``times`` matching calls. Kinds:
 - ``delay``: sleep ``delay_s`` (default 1 s; option ``delay_ms=N``) before the call, which
   then proceeds normally: a slow upload, for testing asynchronous saves
 
-Faults live in a :class:`FaultRegistry`: a :class:`ckpt.CheckpointManager` owns one,
-and the module functions :func:`inject` / :func:`install` act on the process default,
-which also reads the environment variable ``CKPT_STORAGE_FAULTS`` at the first storage
-call of a process. Its items use the key=value grammar of every fault spec in this
+Faults live in a :class:`FaultRegistry`, installed from outside the storage code: a
+:class:`ckpt.CheckpointManager` owns one and puts it in its ``StorageOptions``; the
+module functions :func:`inject` / :func:`install` act on the registry of the one-off
+``ckpt.save``/``ckpt.load`` (``ckpt.defaults``; it reads ``CKPT_STORAGE_FAULTS`` when
+it is created). A storage call asks its registry only while something is armed
+(:attr:`FaultRegistry.armed`): with no fault configured, the hot path is one attribute
+read. The registry acts the fault out (:meth:`FaultRegistry.run`), and for
+``truncate`` it is also what cuts the bytes a write sends (:meth:`FaultRegistry.sink`,
+:meth:`FaultRegistry.body`). Its items use the key=value grammar of every fault spec in this
 project (``runcore.faultspec``, shared with ``elastic.faults``), e.g.
 ``CKPT_STORAGE_FAULTS="ckpt-storage:phase=complete:error=kill:rank=0"``; the short form
 ``PHASE:KIND[:times=N][:rank=R]`` (``complete:kill:rank=0;shard:http503:times=2``) still
@@ -30,14 +35,15 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ckpt import env
 from runcore.faultspec import split_fault_spec
 
 ENV_STORAGE_FAULTS = env.STORAGE_FAULTS
+T = TypeVar("T")
 
 PHASES = ("shard", "metadata", "manifest", "complete", "read", "any")
 KINDS = (
@@ -162,18 +168,25 @@ class FaultRegistry:
     """The storage faults armed for one owner, and which rank and save step it is at.
 
     :class:`ckpt.CheckpointManager` owns one (``StorageOptions.faults``); the module
-    functions below act on the process default (:data:`DEFAULT`), which also reads
-    ``CKPT_STORAGE_FAULTS`` at its first storage call.
+    functions below act on the one-off functions' registry (``ckpt.defaults``).
+    ``read_env``: arm what ``CKPT_STORAGE_FAULTS`` says now (a bad value raises here).
     """
 
     def __init__(self, *, read_env: bool = False) -> None:
         self._lock = threading.Lock()
         self._faults: list[StorageFault] = []
-        self._env_pending = read_env
+        if read_env:
+            self._faults.extend(parse_storage_faults(env.get_str(ENV_STORAGE_FAULTS, "")))
+        self._truncating = threading.local()
         self.rank = 0
         """Rank of this process in the current save or load (set by ckpt)."""
         self.step: int | None = None
         """Step of the save in progress (``None`` for loads and other calls)."""
+
+    @property
+    def armed(self) -> bool:
+        """Whether any fault is installed (fired or not): only then do calls consult it."""
+        return bool(self._faults)
 
     def install(self, *faults: StorageFault) -> None:
         """Add faults for the rest of this registry's life (or until :meth:`clear`)."""
@@ -204,9 +217,6 @@ class FaultRegistry:
         """
         delayed: StorageFault | None = None
         with self._lock:
-            if self._env_pending:
-                self._env_pending = False
-                self._faults.extend(parse_storage_faults(env.get_str(ENV_STORAGE_FAULTS, "")))
             for fault in self._faults:
                 if fault.fired >= fault.times or fault.phase not in (phase, "any"):
                     continue
@@ -223,33 +233,82 @@ class FaultRegistry:
             time.sleep(delayed.delay_s)
         return None
 
+    def run(self, phase: str, what: str, fn: Callable[[], T], timed: Callable[..., T]) -> T:
+        """One storage call under this registry: ``timed(fn)`` unless a fault matches.
 
-DEFAULT = FaultRegistry(read_env=True)
-"""The registry of the module-level functions (``ckpt.save``/``ckpt.load`` without a manager)."""
+        ``timed`` runs a callable with the storage call's timeout. A matching fault is
+        acted out inside it (``raise_for``); ``truncate`` runs ``fn`` with this thread's
+        writes cut (:meth:`sink`, :meth:`body`).
+        """
+        fault = self.take(phase)
+        if fault is None:
+            return timed(fn)
+        if fault.kind != "truncate":
+            return timed(lambda: raise_for(fault, what))
+
+        def truncated() -> T:
+            self._truncating.active = True
+            try:
+                return fn()
+            finally:
+                self._truncating.active = False
+
+        return timed(truncated)
+
+    def _truncate_active(self) -> bool:
+        return bool(getattr(self._truncating, "active", False))
+
+    def sink(self, raw: Any) -> Any:
+        """The stream a write sends to: ``raw``, or under ``truncate`` one that drops halves."""
+        return _Truncating(raw) if self._truncate_active() else raw
+
+    def body(self, buffers: list[memoryview | bytes]) -> list[memoryview | bytes]:
+        """The buffers an upload sends: as given, or their first halves under ``truncate``."""
+        if not self._truncate_active():
+            return buffers
+        views = [memoryview(b).cast("B") for b in buffers]
+        return [v[: v.nbytes // 2] for v in views]
 
 
-def set_rank(rank: int) -> None:
-    """Tell the default registry which rank this process is (ckpt does it at each save/load)."""
-    DEFAULT.rank = rank
+class _Truncating:
+    """Raw-stream wrapper that silently drops the second half of every write (``truncate``)."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._raw.write(view[: view.nbytes // 2])
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+def default_registry() -> FaultRegistry:
+    """The registry of the one-off ``ckpt.save``/``ckpt.load`` (``ckpt.defaults``)."""
+    from ckpt.defaults import process_defaults  # the defaults module imports this one
+
+    return process_defaults().faults
 
 
 def install(*faults: StorageFault) -> None:
-    """Add faults to the default registry for the rest of this process (or :func:`clear`)."""
-    DEFAULT.install(*faults)
+    """Add faults to the one-off functions' registry for the rest of this process."""
+    default_registry().install(*faults)
 
 
 def clear() -> None:
-    DEFAULT.clear()
+    """Remove every fault of the one-off functions' registry (creates nothing)."""
+    from ckpt.defaults import created
+
+    defaults = created()
+    if defaults is not None:
+        defaults.faults.clear()
 
 
 def inject(*faults: StorageFault) -> contextlib.AbstractContextManager[list[StorageFault]]:
-    """Install ``faults`` in the default registry for the duration of the block."""
-    return DEFAULT.inject(*faults)
-
-
-def take(phase: str) -> StorageFault | None:
-    """:meth:`FaultRegistry.take` on the default registry."""
-    return DEFAULT.take(phase)
+    """Install ``faults`` in the one-off functions' registry for the duration of the block."""
+    return default_registry().inject(*faults)
 
 
 def raise_for(fault: StorageFault, what: str) -> None:

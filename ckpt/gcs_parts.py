@@ -475,7 +475,7 @@ class GcsTransfer:
         bucket, name = _split(storage.path(pkey))
 
         def once() -> None:
-            body = _maybe_truncated(part.buffers)
+            body = _body(storage, part.buffers)
             resource = self.client.upload(bucket, name, body)
             _check_resource(storage.url(pkey), resource, part.size, _encode(part_crc(part)))
 
@@ -487,7 +487,7 @@ class GcsTransfer:
         bucket, name = _split(storage.path(key))
 
         def once() -> None:
-            resource = self.client.upload(bucket, name, _maybe_truncated(part.buffers))
+            resource = self.client.upload(bucket, name, _body(storage, part.buffers))
             _check_resource(storage.url(key), resource, stream.size, stream.crc32c)
 
         storage._call(f"write {storage.url(key)}", phase, once)
@@ -631,13 +631,9 @@ def _check_resource(url: str, resource: dict[str, Any], size: int, crc: str) -> 
         )
 
 
-def _maybe_truncated(buffers: list[memoryview | bytes]) -> list[memoryview | bytes]:
-    """The body to send: the buffers, or their first halves under a ``truncate`` fault."""
-    from ckpt.storage import truncate_active
-
-    if not truncate_active():
-        return buffers
-    return [memoryview(b).cast("B")[: len(memoryview(b).cast("B")) // 2] for b in buffers]
+def _body(storage: Storage, buffers: list[memoryview | bytes]) -> list[memoryview | bytes]:
+    """The body to send: the buffers, or what an armed ``truncate`` fault leaves of them."""
+    return storage.faults.body(buffers) if storage.faults.armed else buffers
 
 
 __all__ = [

@@ -136,7 +136,7 @@ class CheckpointManager:
         self._on_event = on_event
         self.faults = FaultRegistry(read_env=True)
         """Storage faults for this manager's saves and loads (``inject_storage_fault``, and
-        ``CKPT_STORAGE_FAULTS`` read at the first storage call)."""
+        ``CKPT_STORAGE_FAULTS`` read now)."""
         base = storage_options if storage_options is not None else StorageOptions.from_env()
         self.storage_options = _with_faults(base, self.faults)
         if process_group is None and dist.is_available() and dist.is_initialized():

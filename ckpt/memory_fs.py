@@ -161,6 +161,13 @@ class PiecesFile(_File):
 
 
 class SnapshotFileSystem(AbstractFileSystem):
+    """``ckptmem://KEY/...``: the files :func:`register` put under KEY, until :func:`release`.
+
+    fsspec builds filesystems from a URL itself, so the open snapshots are kept on the
+    class (keyed by a per-restore KEY, emptied by ``release``): the one place in ``ckpt``
+    where a registry outlives an owner object, as fsspec's protocol model requires.
+    """
+
     protocol = PROTOCOL
     root_marker = ""
     _stores: ClassVar[dict[str, dict[str, _File]]] = {}
@@ -236,11 +243,15 @@ class SnapshotFileSystem(AbstractFileSystem):
         pass
 
 
-fsspec.register_implementation(PROTOCOL, SnapshotFileSystem, clobber=True)
-
-
 def register(key: str, files: dict[str, _File]) -> str:
-    """Make ``files`` (relative paths) readable under ``ckptmem://key``; returns that URL."""
+    """Make ``files`` (relative paths) readable under ``ckptmem://key``; returns that URL.
+
+    The first call registers the ``ckptmem`` protocol with fsspec (nothing is
+    registered at import); every snapshot URL comes from here, so it always is before
+    fsspec resolves one.
+    """
+    if fsspec.registry.get(PROTOCOL) is not SnapshotFileSystem:
+        fsspec.register_implementation(PROTOCOL, SnapshotFileSystem, clobber=True)
     with SnapshotFileSystem._lock:
         SnapshotFileSystem._stores[key] = {f"{key}/{name}": f for name, f in files.items()}
     return f"{PROTOCOL}://{key}"

@@ -106,12 +106,12 @@ def load(
         raise TypeError(f"root must be a str URL, got {type(root).__name__}")
     # A save still uploading in the background uses the same checkpoint group: finish it
     # first (and surface its error) so the two protocols never interleave.
-    (_async.DEFAULT if _saver is None else _saver).wait_for_previous()
+    (_async.default_saver() if _saver is None else _saver).wait_for_previous()
     started = time.monotonic()
     coll = Collective(process_group)
     storage = Storage(root, storage_options)
-    storage.fault_registry.rank = coll.rank
-    storage.fault_registry.step = None
+    storage.faults.rank = coll.rank
+    storage.faults.step = None
 
     # Only the coordinator lists and reads COMPLETE/manifest.json; the others follow.
     cat = catalog if catalog is not None and coll.is_coordinator else Catalog(storage)

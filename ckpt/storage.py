@@ -102,7 +102,8 @@ class StorageOptions:
     gcs: GcsTransferOptions = field(default_factory=GcsTransferOptions)
     """How ``gs://`` objects are cut into parallel part uploads and ranged reads."""
     faults: faults.FaultRegistry | None = field(default=None, compare=False, repr=False)
-    """Storage fault injection for these calls (``None``: the process default registry)."""
+    """Storage fault injection for these calls (``None``: the one-off functions' registry,
+    ``ckpt.defaults``). Consulted only while it has a fault armed."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -259,6 +260,10 @@ class Storage:
         # buffer and again per request, one stream: 0.65 of one pipe() on the emulator.
         gcs = "gs" in protocols or "gcs" in protocols
         self._gcs: GcsTransfer | None = GcsTransfer(self, self.options.gcs) if gcs else None
+        self.faults = (
+            self.options.faults if self.options.faults is not None else faults.default_registry()
+        )
+        """The fault registry of this storage's calls (installed from outside: the options)."""
 
     # -- addressing -------------------------------------------------------------------
 
@@ -275,35 +280,23 @@ class Storage:
         sub = object.__new__(Storage)
         sub.root_url, sub.options, sub.fs = self.url(key), self.options, self.fs
         sub.root_path, sub._local, sub._has_dirs = self.path(key), self._local, self._has_dirs
-        sub._gcs = self._gcs
+        sub._gcs, sub.faults = self._gcs, self.faults
         return sub
-
-    @property
-    def fault_registry(self) -> faults.FaultRegistry:
-        """Where this storage's calls look for injected faults."""
-        return self.options.faults if self.options.faults is not None else faults.DEFAULT
 
     # -- retry machinery --------------------------------------------------------------
 
     def _call(self, what: str, phase: str, fn: Callable[[], T]) -> T:
-        """Run one storage call with fault injection, timeout and retries."""
+        """Run one storage call with timeout and retries (and injected faults, when armed)."""
         opts = self.options
+        registry = self.faults
+
+        def timed(call: Callable[[], T]) -> T:
+            return _run_with_timeout(call, opts.timeout_s, what)
 
         def attempt() -> T:
-            fault = self.fault_registry.take(phase)
-            if fault is not None and fault.kind != "truncate":
-                return _run_with_timeout(
-                    lambda: faults.raise_for(fault, what), opts.timeout_s, what
-                )
-            return _run_with_timeout(lambda: fn_with(fault), opts.timeout_s, what)
-
-        def fn_with(fault: faults.StorageFault | None) -> T:
-            if fault is not None:  # truncate: let the callee know through a thread-local
-                _truncate.active = True
-            try:
-                return fn()
-            finally:
-                _truncate.active = False
+            if not registry.armed:  # no fault configured: nothing else on the path
+                return timed(fn)
+            return registry.run(phase, what, fn, timed)
 
         def log_retry(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
@@ -365,7 +358,7 @@ class Storage:
                 if self._has_dirs:
                     self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
                 with self.fs.open(path, "wb") as raw:
-                    sink = _Truncating(raw) if getattr(_truncate, "active", False) else raw
+                    sink = self.faults.sink(raw) if self.faults.armed else raw
                     if self._local:
                         sink = _LocalSink(sink, raw, write_behind=self.options.fsync)
                     stream = ChecksummingWriter(sink)
@@ -625,29 +618,6 @@ class Storage:
                 pass
 
         self._call(f"delete {self.url(key)}/", "any", rm_once)
-
-
-_truncate = threading.local()
-
-
-def truncate_active() -> bool:
-    """Whether the storage call running in this thread is under a ``truncate`` fault."""
-    return bool(getattr(_truncate, "active", False))
-
-
-class _Truncating:
-    """Raw-stream wrapper that silently drops the second half of every write (fault ``truncate``)."""
-
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._raw.write(view[: view.nbytes // 2])
-        return view.nbytes
-
-    def flush(self) -> None:
-        self._raw.flush()
 
 
 def _load_sync_file_range() -> Callable[[int, int, int], int] | None:
