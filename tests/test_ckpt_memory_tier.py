@@ -101,7 +101,7 @@ def _resume(
 ):
     os.environ["CKPT_MEMORY_DIR"] = _node_dir(memory, rank)
     if chunk_bytes is not None:  # many small messages: the chunked transfer's edges
-        from ckpt import memory_restore
+        from ckpt.memory import restore as memory_restore
 
         memory_restore.CHUNK_BYTES = chunk_bytes
     events: list[tuple[str, int, dict]] = []
@@ -287,7 +287,7 @@ def test_a_flipped_byte_in_a_chunk_received_from_the_peer_is_rejected(tmp_path):
 
 
 def test_a_chunk_is_waited_for_once_and_only_when_a_read_covers_it():
-    from ckpt import memory_fs
+    from ckpt.memory import fs as memory_fs
 
     class Work:
         def __init__(self, fail: bool = False) -> None:
@@ -323,7 +323,7 @@ def test_a_chunk_is_waited_for_once_and_only_when_a_read_covers_it():
 
 
 def test_closing_a_file_waits_for_every_chunk_still_arriving():
-    from ckpt import memory_fs
+    from ckpt.memory import fs as memory_fs
 
     class Work:
         waits = 0

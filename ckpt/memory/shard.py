@@ -1,6 +1,6 @@
 """One rank's shard file of a memory snapshot: DCP's format, written without re-planning.
 
-A memory snapshot (:mod:`ckpt.memory_tier`) is taken every few steps, so the fixed
+A memory snapshot (:mod:`ckpt.memory.tier`) is taken every few steps, so the fixed
 costs of a save matter more than its bytes. Measured on the tiny GPT (140 items per
 rank, 0.8 MB): planning a DCP save (local plans pickled, gathered, the global plan
 scattered, results gathered) cost ~60 ms and ``torch.save`` ~0.2 ms per item whatever

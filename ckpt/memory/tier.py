@@ -4,7 +4,7 @@ durable checkpoint.
 
 torchrun restarts every worker process after a failure, so a copy kept only in a
 process's heap dies with it. Each rank keeps its snapshots in files under a node-local
-tmpfs directory that outlives the process (layout: :mod:`ckpt.memory_layout`). A node is
+tmpfs directory that outlives the process (layout: :mod:`ckpt.memory.layout`). A node is
 a host and a base directory (the tests give each simulated node its own base).
 
 A snapshot (every ``memory_every`` steps, :meth:`MemoryTier.snapshot`) is taken in the
@@ -17,7 +17,7 @@ process. A background thread then sends each rank's shard to a rank on the next 
 once that finishes; a replica is checked against the manifest's crc32c on arrival and
 again before any use. Two slots per rank: the newest two snapshots, files reused in place.
 
-Resume (:mod:`ckpt.memory_restore`) gathers what every node holds, picks the newest
+Resume (:mod:`ckpt.memory.restore`) gathers what every node holds, picks the newest
 snapshot that is complete across the surviving nodes and newer than the newest durable
 checkpoint, verifies and ships the shards, and loads them with the normal verified
 ``ckpt.load``.
@@ -39,14 +39,14 @@ import torch
 import torch.distributed as dist
 
 from ckpt import env
-from ckpt import memory_shard as shard
 from ckpt.checksum import crc32c_of, encode_crc32c
 from ckpt.commit import _utc_now, process_start_time
 from ckpt.dist import Collective, new_checkpoint_group
 from ckpt.errors import CheckpointError
 from ckpt.layout import DCP_METADATA_NAME, MANIFEST_NAME, shard_filename
 from ckpt.manifest import Attempt, CompleteMarker, FileEntry, Manifest
-from ckpt.memory_layout import (
+from ckpt.memory import shard
+from ckpt.memory.layout import (
     COMMIT_NAME,
     SLOTS,
     SlotInfo,
@@ -61,7 +61,7 @@ from ckpt.memory_layout import (
     unlink,
     write_file,
 )
-from ckpt.memory_replicate import Job, Replicator, replica_targets
+from ckpt.memory.replicate import Job, Replicator, replica_targets
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class MemoryTier:
         self.replan_count = 0
         self.last_restore: dict[str, float] = {}
         """This rank's transfer counts and waits of the last memory resume (see
-        :class:`ckpt.memory_restore.Restore`)."""
+        :class:`ckpt.memory.restore.Restore`)."""
         self._layout: shard.ShardLayout | None = None
         self._slots: list[SlotInfo | None] | None = None
         self._orphans_removed = False

@@ -7,7 +7,7 @@ Collective over the tier's gloo groups, in three calls the manager makes in orde
    same list and computes the same candidates: snapshots with a valid commit record,
    newer than the newest durable checkpoint and not fenced by it, with every file the
    manifest lists present (right size) on some surviving node; newest first.
-2. :func:`materialize`: every rank gets a ``ckptmem://`` root (:mod:`ckpt.memory_fs`)
+2. :func:`materialize`: every rank gets a ``ckptmem://`` root (:mod:`ckpt.memory.fs`)
    holding the candidate: the files its node has, mapped read-only; from a node that has
    the others, only the byte ranges its own load plan reads, shipped over gloo; plus
    manifest.json, COMPLETE (the snapshot's commit record) and ``.metadata``. The manager
@@ -43,14 +43,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt import memory_fs
 from ckpt.checksum import crc32c_of
 from ckpt.dist import Collective
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.layout import COMPLETE_NAME, DCP_METADATA_NAME, MANIFEST_NAME, checkpoint_dirname
 from ckpt.manifest import Manifest
-from ckpt.memory_layout import COMMIT_NAME, SLOTS, read_commit, remove_slot
-from ckpt.memory_tier import MemoryTier
+from ckpt.memory import fs as memory_fs
+from ckpt.memory.layout import COMMIT_NAME, SLOTS, read_commit, remove_slot
+from ckpt.memory.tier import MemoryTier
 from ckpt.reader import SafeLoadPlanner, load_metadata
 
 logger = logging.getLogger(__name__)

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from ckpt import async_save as _async
-from ckpt import memory_fs
-from ckpt import memory_shard as shard
 from ckpt.checksum import crc32c_of
 from ckpt.errors import CorruptCheckpointError
 from ckpt.layout import shard_filename
+from ckpt.memory import fs as memory_fs
+from ckpt.memory import shard
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """``ckptmem://``: a per-process, read-only fsspec filesystem over memory-tier files.
 
-A memory-tier resume (:mod:`ckpt.memory_restore`) hands the normal verified loader
+A memory-tier resume (:mod:`ckpt.memory.restore`) hands the normal verified loader
 (``ckpt.load``: manifest, ``.metadata``, every item's crc32c, resharding) a root whose
 files are what this rank can reach without copying them first:
 
