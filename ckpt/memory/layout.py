@@ -130,7 +130,7 @@ def listdir(path: str) -> list[str]:
 
 
 def write_file(path: str, data: bytes) -> None:
-    with shard._ShardFile(path) as out:
+    with shard.ShardFile(path) as out:
         out.write(data)
         out.finish(len(data))
 

@@ -270,7 +270,7 @@ def materialize(
         )
     # Map this node's copies (to load, and to send from) and plan this rank's reads; one
     # gather then tells every rank what every other needs, or that some rank cannot go on.
-    files: dict[str, memory_fs._File] = {}
+    files: dict[str, memory_fs.SnapshotFile] = {}
     mine: dict[str, list[tuple[int, int]]] = {}
     plan_error: CheckpointError | None = None
     map_error = None
@@ -326,7 +326,7 @@ def materialize(
 def _post(
     tier: MemoryTier,
     transfers: list[tuple[str, int, int, list[tuple[int, int]]]],
-    files: dict[str, memory_fs._File],
+    files: dict[str, memory_fs.SnapshotFile],
 ) -> tuple[dict[str, list[memory_fs.Arriving]], list[Any], dict[str, float]]:
     """Post this rank's part of ``transfers`` over the replication group, in chunks.
 
@@ -473,9 +473,7 @@ def prune(tier: MemoryTier, keep: Candidate | None) -> None:
                 ):
                     remove_slot(slot_dir)
     coll.all_gather(None)
-    tier.resumed = True
-    tier._slots = None
-    tier.newest_step = None if kept is None else kept.step
+    tier.pruned(None if kept is None else kept.step)
 
 
 def _listdir(path: str) -> list[str]:
