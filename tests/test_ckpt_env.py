@@ -64,7 +64,9 @@ def test_bad_values_name_the_variable_and_the_default() -> None:
         env.run_identity({env.RUN_ID: "r", env.RESTART_COUNT: "x"})
     assert env.run_identity({}) == ("local", 0)
     assert env.run_identity({env.RUN_ID: "job7", env.RESTART_COUNT: "2"}) == ("job7", 2)
-    assert env.get_float(env.COLLECTIVE_TIMEOUT_S, 600.0, env={env.COLLECTIVE_TIMEOUT_S: " "}) == 600.0
+    assert (
+        env.get_float(env.COLLECTIVE_TIMEOUT_S, 600.0, env={env.COLLECTIVE_TIMEOUT_S: " "}) == 600.0
+    )
 
 
 @pytest.mark.timeout(60)
