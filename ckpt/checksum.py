@@ -14,13 +14,13 @@ from typing import IO
 try:  # accepts any buffer (no copy) and runs ~13x faster here than copy + google_crc32c
     import crc32c as _crc32c
 
-    def _extend(crc: int, data: bytes | bytearray | memoryview) -> int:
+    def crc32c_extend(crc: int, data: bytes | bytearray | memoryview) -> int:
         return _crc32c.crc32c(data, crc)
 
 except ImportError:  # google_crc32c's C extension takes only ``bytes``
     import google_crc32c
 
-    def _extend(crc: int, data: bytes | bytearray | memoryview) -> int:
+    def crc32c_extend(crc: int, data: bytes | bytearray | memoryview) -> int:
         chunk = data if isinstance(data, bytes) else memoryview(data).cast("B").tobytes()
         return google_crc32c.extend(crc, chunk)
 
@@ -32,7 +32,7 @@ def encode_crc32c(value: int) -> str:
 
 def crc32c_of(data: bytes | bytearray | memoryview) -> str:
     """crc32c of ``data``, GCS-encoded."""
-    return encode_crc32c(_extend(0, data))
+    return encode_crc32c(crc32c_extend(0, data))
 
 
 # -- combining checksums ---------------------------------------------------------------
@@ -46,7 +46,7 @@ _POLY = 0x82F63B78  # Castagnoli, bit-reflected
 _X0 = 1 << 31  # the polynomial 1 in the reflected representation
 
 
-def _mulmod(a: int, b: int) -> int:
+def crc32c_mulmod(a: int, b: int) -> int:
     """a * b modulo the Castagnoli polynomial, both reflected 32-bit polynomials."""
     product = 0
     bit = _X0
@@ -64,20 +64,20 @@ def _powers_of_x() -> list[int]:
     # but lengths here stay far below 2^32 bytes * 8, so 64 entries are plenty.
     table = [_X0 >> 1]  # x^1
     for _ in range(63):
-        table.append(_mulmod(table[-1], table[-1]))
+        table.append(crc32c_mulmod(table[-1], table[-1]))
     return table
 
 
 _X_POW2 = _powers_of_x()
 
 
-def _shift_operator(nbytes: int) -> int:
+def crc32c_shift_operator(nbytes: int) -> int:
     """x^(8 * nbytes) mod P."""
     result = _X0
     k = 3  # 8 = 2^3 bits per byte
     while nbytes:
         if nbytes & 1:
-            result = _mulmod(_X_POW2[k], result)
+            result = crc32c_mulmod(_X_POW2[k], result)
         nbytes >>= 1
         k += 1
     return result
@@ -87,7 +87,7 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """crc32c of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)`` (bytes)."""
     if len_b == 0:
         return crc_a
-    return _mulmod(_shift_operator(len_b), crc_a) ^ crc_b
+    return crc32c_mulmod(crc32c_shift_operator(len_b), crc_a) ^ crc_b
 
 
 class ChecksummingWriter:
@@ -111,7 +111,7 @@ class ChecksummingWriter:
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = data if isinstance(data, bytes) else memoryview(data).cast("B")
         self._raw.write(view)
-        self._seg_crc = _extend(self._seg_crc, view)
+        self._seg_crc = crc32c_extend(self._seg_crc, view)
         self._size += len(view)
         return len(view)
 
@@ -152,6 +152,6 @@ def crc32c_of_chunks(chunks: Iterable[bytes]) -> tuple[int, str]:
     crc = 0
     size = 0
     for chunk in chunks:
-        crc = _extend(crc, chunk)
+        crc = crc32c_extend(crc, chunk)
         size += len(chunk)
     return size, encode_crc32c(crc)

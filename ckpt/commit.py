@@ -56,7 +56,8 @@ ENV_RESTART_COUNT = env.RESTART_COUNT
 EventSink = Callable[[dict[str, Any]], None]
 
 
-def _utc_now() -> str:
+def utc_now() -> str:
+    """Now, UTC, ISO 8601 with milliseconds (the manifests' and markers' timestamps)."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
@@ -247,7 +248,7 @@ def _save_staged(
     def commit() -> int:
         manifest = Manifest(
             step=step,
-            created_at=_utc_now(),
+            created_at=utc_now(),
             world_size=coll.world_size,
             attempt=attempt,
             membership=[
@@ -268,7 +269,7 @@ def _save_staged(
             step=step,
             attempt=attempt,
             manifest_crc32c=crc32c_of(manifest_bytes),
-            committed_at=_utc_now(),
+            committed_at=utc_now(),
         )
         ckpt_dir.write_bytes(COMPLETE_NAME, marker.to_bytes(), phase="complete")
         ckpt_dir.sync_dir()

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
 from ckpt.checksum import ChecksummingWriter
-from ckpt.checksum import _extend as _crc_extend  # the fastest crc32c here, any buffer
+from ckpt.checksum import crc32c_extend as _crc_extend  # the fastest crc32c here, any buffer
 from ckpt.errors import StorageError, WriteVerificationError
 
 if TYPE_CHECKING:

@@ -41,13 +41,13 @@ from ckpt.capture import Captured, StateCapture
 from ckpt.discovery import Catalog
 from ckpt.errors import CheckpointError
 from ckpt.faults import FaultRegistry, parse_storage_faults
-from ckpt.memory_tier import MemoryTier, SnapshotError
+from ckpt.memory import MemorySnapshots, MemoryTier, SnapshotError
 from ckpt.resume import ResumeInfo, ResumeWalk
 from ckpt.retention import DEFAULT_RETENTION, RetentionPolicy
 from ckpt.retention import describe as describe_retention
 from ckpt.saves import DurableSaves, SaveFailures, expected_save_s
 from ckpt.storage import Storage, StorageOptions
-from ckpt.tiers import DurableTier, MemorySnapshots, Tier
+from ckpt.tiers import DurableTier, Tier
 from runcore import events as ev
 
 __all__ = ["CheckpointManager", "EventCallback", "ResumeInfo"]

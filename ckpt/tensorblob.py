@@ -34,41 +34,41 @@ _LOCAL_SIG = 0x04034B50
 _STORED = 0
 
 
-class _NotPlain(Exception):
+class NotPlain(Exception):
     """The item is not the plain case; the caller falls back to torch.load."""
 
 
-def _records(buf: memoryview) -> dict[str, tuple[int, int]]:
+def zip_records(buf: memoryview) -> dict[str, tuple[int, int]]:
     """``{name: (data offset, size)}`` of the stored records of a zip archive."""
     tail = bytes(buf[max(0, len(buf) - 65_557) :])  # EOCD + the longest comment
     at = tail.rfind(_EOCD_SIG)
     if at < 0 or len(tail) - at < 22:
-        raise _NotPlain("no end-of-central-directory record")
+        raise NotPlain("no end-of-central-directory record")
     entries, cd_size, cd_offset = struct.unpack_from("<HII", tail, at + 10)
     if 0xFFFFFFFF in (cd_size, cd_offset) or entries == 0xFFFF:
-        raise _NotPlain("zip64 archive")
+        raise NotPlain("zip64 archive")
     out: dict[str, tuple[int, int]] = {}
     pos = cd_offset
     for _ in range(entries):
         if pos + 46 > len(buf):
-            raise _NotPlain("truncated central directory")
+            raise NotPlain("truncated central directory")
         (sig, method, csize, usize, name_len, extra_len, comment_len, local) = struct.unpack_from(
             "<I6xH8xIIHHH8xI", buf, pos
         )
         if sig != _CENTRAL_SIG:
-            raise _NotPlain("bad central directory entry")
+            raise NotPlain("bad central directory entry")
         name = bytes(buf[pos + 46 : pos + 46 + name_len]).decode("utf-8", "replace")
         pos += 46 + name_len + extra_len + comment_len
         if method != _STORED or csize != usize or 0xFFFFFFFF in (csize, local):
-            raise _NotPlain(f"record {name} is compressed or zip64")
+            raise NotPlain(f"record {name} is compressed or zip64")
         if local + 30 > len(buf):
-            raise _NotPlain("truncated local header")
+            raise NotPlain("truncated local header")
         lsig, lname_len, lextra_len = struct.unpack_from("<I22xHH", buf, local)
         if lsig != _LOCAL_SIG:
-            raise _NotPlain("bad local header")
+            raise NotPlain("bad local header")
         start = local + 30 + lname_len + lextra_len
         if start + usize > len(buf):
-            raise _NotPlain(f"record {name} runs past the end")
+            raise NotPlain(f"record {name} runs past the end")
         out[name] = (start, usize)
     return out
 
@@ -101,7 +101,7 @@ class _TensorRecipe:
 
     def __init__(self, storage: Any, storage_offset: Any, size: Any, stride: Any) -> None:
         if not isinstance(storage, _StorageRef):
-            raise _NotPlain("tensor not rebuilt from a storage")
+            raise NotPlain("tensor not rebuilt from a storage")
         self.storage = storage
         self.storage_offset = int(storage_offset)
         self.size = tuple(int(x) for x in size)
@@ -118,7 +118,7 @@ def _rebuild(
     metadata: Any = None,
 ) -> _TensorRecipe:
     if metadata:
-        raise _NotPlain("tensor with extra metadata")
+        raise NotPlain("tensor with extra metadata")
     return _TensorRecipe(storage, storage_offset, size, stride)
 
 
@@ -134,14 +134,14 @@ class _RecipeUnpickler(pickle.Unpickler):
             return _ordered_dict  # the (empty) backward hooks
         if module == "torch" and name in _STORAGE_DTYPES:
             return _STORAGE_DTYPES[name]
-        raise _NotPlain(f"{module}.{name} is not part of a plain tensor")
+        raise NotPlain(f"{module}.{name} is not part of a plain tensor")
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise _NotPlain("unknown persistent id")
+            raise NotPlain("unknown persistent id")
         _, dtype, key, _location, numel = pid
         if not isinstance(dtype, torch.dtype):
-            raise _NotPlain("storage without a dtype")
+            raise NotPlain("storage without a dtype")
         return _StorageRef(dtype, str(key), int(numel))
 
 
@@ -153,28 +153,28 @@ def view_tensor(buf: bytes | memoryview) -> torch.Tensor | None:
     """
     view = memoryview(buf).cast("B")
     try:
-        records = _records(view)
+        records = zip_records(view)
         pkl = [name for name in records if name.endswith("/data.pkl") or name == "data.pkl"]
         if len(pkl) != 1:
-            raise _NotPlain("no data.pkl")
+            raise NotPlain("no data.pkl")
         prefix = pkl[0][: -len("data.pkl")]
         order = records.get(prefix + "byteorder")
         if order is not None:
             start, size = order
             if bytes(view[start : start + size]) != sys.byteorder.encode():
-                raise _NotPlain("other byte order")
+                raise NotPlain("other byte order")
         start, size = records[pkl[0]]
         recipe = _RecipeUnpickler(io.BytesIO(view[start : start + size])).load()
         if not isinstance(recipe, _TensorRecipe):
-            raise _NotPlain("not a single tensor")
+            raise NotPlain("not a single tensor")
         ref = recipe.storage
         data = records.get(f"{prefix}data/{ref.key}")
         if data is None:
-            raise _NotPlain("storage record missing")
+            raise NotPlain("storage record missing")
         start, size = data
         itemsize = torch.empty((), dtype=ref.dtype).element_size()
         if size != ref.numel * itemsize:
-            raise _NotPlain("storage record has the wrong size")
+            raise NotPlain("storage record has the wrong size")
         if ref.numel == 0:
             flat = torch.empty(0, dtype=ref.dtype)
         else:
@@ -182,5 +182,5 @@ def view_tensor(buf: bytes | memoryview) -> torch.Tensor | None:
                 warnings.simplefilter("ignore")  # read-only buffer: we only read from it
                 flat = torch.frombuffer(view, dtype=ref.dtype, count=ref.numel, offset=start)
         return flat.as_strided(recipe.size, recipe.stride, recipe.storage_offset)
-    except (_NotPlain, pickle.UnpicklingError, struct.error, ValueError, RuntimeError, EOFError):
+    except (NotPlain, pickle.UnpicklingError, struct.error, ValueError, RuntimeError, EOFError):
         return None

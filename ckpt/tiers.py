@@ -1,4 +1,4 @@
-"""Where a resume can load from: the durable root and the memory tier, behind one interface.
+"""Where a resume can load from: the :class:`Tier` interface and the durable root.
 
 :meth:`CheckpointManager.resume <ckpt.manager.CheckpointManager.resume>` walks the tiers
 in order (memory first when it is on, then durable) and, per tier, its candidates
@@ -12,22 +12,21 @@ decision, per-rank layout, pushing the state into the objects, events and logs.
   the next candidate, then the next tier, try.
 - :meth:`Tier.resumed` / :meth:`Tier.exhausted` end a tier's part (the memory tier
   prunes the snapshots it will not need).
+
+The memory tier's adapter, :class:`ckpt.memory.MemorySnapshots`, lives with the tier
+(``ckpt/memory/snapshots.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckpt import memory_restore as _memory_restore
 from ckpt.capture import MANAGER_META_KEY
 from ckpt.discovery import Catalog
-from ckpt.errors import CorruptCheckpointError, StateMismatchError
-from ckpt.faults import FaultRegistry
-from ckpt.memory_tier import MemoryTier
+from ckpt.errors import StateMismatchError
 from ckpt.restore import LoadResult
 from ckpt.restore import load as _load
 from ckpt.rng import RNG_STATE_KEY
@@ -150,86 +149,3 @@ class DurableTier:
 
     def exhausted(self) -> None:
         pass
-
-
-class MemorySnapshots:
-    """The memory tier's committed snapshots newer than the durable head (``ckpt.memory_*``)."""
-
-    name = "memory"
-    strict = False
-
-    def __init__(self, tier: MemoryTier, *, group: Any, sink: Sink, saver: Any, rank: int):
-        self.tier = tier
-        self._group = group
-        self._sink = sink
-        self._saver = saver
-        self._rank = rank
-        self.timings: dict[str, float] = {}
-
-    def candidates(self, head: DurableHead | None, notes: list[str]) -> list[Candidate]:
-        durable = None if head is None else (head.step, head.run_id, head.restart_count)
-        surveyed = time.monotonic()
-        found = _memory_restore.survey(self.tier, durable)
-        self.timings["survey_s"] = time.monotonic() - surveyed
-        notes.extend(found.notes)
-        return [
-            Candidate(
-                int(cand.step),
-                int(cand.manifest.world_size),
-                manager_record(cand.manifest.metadata),
-                handle=cand,
-            )
-            for cand in found.candidates
-        ]
-
-    def load(
-        self, cand: Candidate, template: dict[str, Any], want_rng: bool, notes: list[str]
-    ) -> tuple[LoadResult | None, bool]:
-        """Assemble and load one snapshot (collective); a first failure is retried once
-        with every copy's crc32c checked first (a corrupt copy, a good replica)."""
-        for verify in (False, True):
-            started = time.monotonic()
-            restore = _memory_restore.materialize(self.tier, cand.handle, template, verify=verify)
-            self.timings["assemble_s"] = time.monotonic() - started
-            try:
-                # A snapshot assembled for this rank under a ckptmem:// root (node-local
-                # maps and shipped ranges; no storage faults): the same verified load.
-                result = _load(
-                    template,
-                    restore.url,
-                    step=cand.step,
-                    process_group=self._group,
-                    on_event=self._sink(tier=self.name),
-                    storage_options=StorageOptions(
-                        fsync=False, faults=FaultRegistry(read_env=False)
-                    ),
-                    _saver=self._saver,
-                )
-            except CorruptCheckpointError as exc:
-                if verify:
-                    raise
-                notes.append(
-                    f"memory step {cand.step}: a copy failed its check ({exc}); assembled "
-                    "again from copies whose crc32c matches the manifest"
-                )
-                if self._rank == 0:
-                    logger.warning(
-                        "memory snapshot of step %d failed to load (%s); checking every copy",
-                        cand.step,
-                        exc,
-                    )
-                continue
-            finally:
-                restore.release()
-            self.timings["load_s"] = time.monotonic() - started - self.timings["assemble_s"]
-            return result, want_rng
-        raise AssertionError("unreachable")
-
-    def url(self, result: LoadResult) -> str:
-        return self.tier.url(int(result.step))
-
-    def resumed(self, cand: Candidate) -> None:
-        _memory_restore.prune(self.tier, cand.handle)
-
-    def exhausted(self) -> None:
-        _memory_restore.prune(self.tier, None)

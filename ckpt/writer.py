@@ -112,6 +112,11 @@ class BlockSavePlanner(DefaultSavePlanner):
             )
         return out
 
+    def block_of(self, index: MetadataIndex) -> tuple[MetadataIndex, int, int] | None:
+        """For a row block this planner cut: (the whole tensor's index, first row, rows);
+        None for an item it left whole."""
+        return self._blocks.get(index)
+
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         block = self._blocks.get(write_item.index)
         if block is None:
@@ -164,7 +169,7 @@ class ShardWriter(StorageWriter):
         def produce(stream: ChecksummingWriter) -> None:
             results.clear()
             chunks.clear()
-            with _zip_crc32_off():  # in the thread that serializes (storage runs one per call)
+            with zip_crc32_off():  # in the thread that serializes (storage runs one per call)
                 _produce_items(stream)
 
         def _produce_items(stream: ChecksummingWriter) -> None:
@@ -208,7 +213,7 @@ class ShardWriter(StorageWriter):
 
 
 @contextlib.contextmanager
-def _zip_crc32_off() -> Iterator[None]:
+def zip_crc32_off() -> Iterator[None]:
     """Have ``torch.save`` skip the zip records' crc32 in this thread, for the block.
 
     ``torch.save`` computes a (slow, single-threaded) crc32 of every tensor's bytes
@@ -233,14 +238,14 @@ def _write_item(stream: ChecksummingWriter, item: WriteItem, data: Any) -> None:
     tensor: torch.Tensor = data.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    tensor = _own_storage(tensor)
+    tensor = own_storage(tensor)
     keep_alive = getattr(stream, "keep_alive", None)
     if keep_alive is not None:  # gs:// sends the storage's bytes later, without a copy
         keep_alive(tensor)
     torch.save(tensor, stream)
 
 
-def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` on a storage holding exactly its bytes (what ``torch.save`` writes).
 
     ``torch.save`` writes a tensor's whole storage: a view into a larger buffer (a

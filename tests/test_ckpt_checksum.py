@@ -93,10 +93,10 @@ def test_google_crc32c_fallback_matches_crc32c(monkeypatch) -> None:
     inputs.append(memoryview(array.array("I", range(257))))  # multi-byte items: cast to bytes
     for data in inputs:
         expected = crc32c.crc32c(bytes(memoryview(data).cast("B")))
-        assert fallback._extend(0, data) == checksum._extend(0, data) == expected
+        assert fallback.crc32c_extend(0, data) == checksum.crc32c_extend(0, data) == expected
         assert fallback.crc32c_of(data) == checksum.crc32c_of(data) == encode_crc32c(expected)
         # Continuing from a previous crc, as segments and chunked reads do.
-        assert fallback._extend(0x1234ABCD, data) == checksum._extend(0x1234ABCD, data)
+        assert fallback.crc32c_extend(0x1234ABCD, data) == checksum.crc32c_extend(0x1234ABCD, data)
     chunks = [blob[:0], blob[:3], blob[3:4099], blob[4099:]]
     assert fallback.crc32c_of_chunks(chunks) == checksum.crc32c_of_chunks(chunks)
     assert fallback.crc32c_of_chunks(chunks) == (len(blob), crc32c_of(blob))

@@ -462,11 +462,11 @@ def test_large_tensors_are_saved_as_row_blocks_that_plain_dcp_reads(tmp_path, mo
 
 
 def test_row_block_views_share_memory_instead_of_copying():
-    from ckpt.writer import _own_storage
+    from ckpt.writer import own_storage
 
     base = torch.arange(100.0).reshape(20, 5)
     block = base.narrow(0, 4, 6)
-    exact = _own_storage(block)
+    exact = own_storage(block)
     assert exact.data_ptr() == block.data_ptr()  # same memory
     assert exact.untyped_storage().nbytes() == 6 * 5 * 4  # a storage of just these rows
     assert torch.equal(exact, block)

@@ -21,7 +21,7 @@ def test_import_ckpt_survives_a_bad_value_in_every_variable() -> None:
     # No import-time reads: garbage in every variable must not break `import ckpt`.
     bad = {name: "not-a-number" for name in env.VARIABLES}
     result = subprocess.run(
-        [sys.executable, "-c", "import ckpt, ckpt.cli, ckpt.memory_tier; print('ok')"],
+        [sys.executable, "-c", "import ckpt, ckpt.cli, ckpt.memory; print('ok')"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -64,7 +64,9 @@ def test_bad_values_name_the_variable_and_the_default() -> None:
         env.run_identity({env.RUN_ID: "r", env.RESTART_COUNT: "x"})
     assert env.run_identity({}) == ("local", 0)
     assert env.run_identity({env.RUN_ID: "job7", env.RESTART_COUNT: "2"}) == ("job7", 2)
-    assert env.get_float(env.COLLECTIVE_TIMEOUT_S, 600.0, env={env.COLLECTIVE_TIMEOUT_S: " "}) == 600.0
+    assert (
+        env.get_float(env.COLLECTIVE_TIMEOUT_S, 600.0, env={env.COLLECTIVE_TIMEOUT_S: " "}) == 600.0
+    )
 
 
 @pytest.mark.timeout(60)

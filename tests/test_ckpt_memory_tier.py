@@ -101,7 +101,7 @@ def _resume(
 ):
     os.environ["CKPT_MEMORY_DIR"] = _node_dir(memory, rank)
     if chunk_bytes is not None:  # many small messages: the chunked transfer's edges
-        from ckpt import memory_restore
+        from ckpt.memory import restore as memory_restore
 
         memory_restore.CHUNK_BYTES = chunk_bytes
     events: list[tuple[str, int, dict]] = []
@@ -287,7 +287,7 @@ def test_a_flipped_byte_in_a_chunk_received_from_the_peer_is_rejected(tmp_path):
 
 
 def test_a_chunk_is_waited_for_once_and_only_when_a_read_covers_it():
-    from ckpt import memory_fs
+    from ckpt.memory import fs as memory_fs
 
     class Work:
         def __init__(self, fail: bool = False) -> None:
@@ -323,7 +323,7 @@ def test_a_chunk_is_waited_for_once_and_only_when_a_read_covers_it():
 
 
 def test_closing_a_file_waits_for_every_chunk_still_arriving():
-    from ckpt import memory_fs
+    from ckpt.memory import fs as memory_fs
 
     class Work:
         waits = 0
@@ -340,6 +340,39 @@ def test_closing_a_file_waits_for_every_chunk_still_arriving():
     f.read(0, 5)
     f.close()  # the buffer may go only when gloo no longer writes into it
     assert [w.waits for w in works] == [1, 1, 1]
+
+
+_FRESH_PROCESS_READ = """
+import fsspec
+import ckpt, ckpt.manager, ckpt.memory
+from ckpt.memory import fs
+assert fs.PROTOCOL not in fsspec.registry, "ckptmem:// registered at import"
+url = fs.register("k1", {"d/manifest.json": fs.BytesFile(b"{}"), "d/x": fs.BytesFile(b"abc")})
+assert fsspec.registry[fs.PROTOCOL] is fs.SnapshotFileSystem
+with fsspec.open(url + "/d/x", "rb") as f:
+    assert f.read() == b"abc"
+assert fsspec.filesystem(fs.PROTOCOL).cat_file(url + "/d/x", 1, 3) == b"bc"
+fs.install()  # idempotent
+fs.release("k1")
+print("ok")
+"""
+
+
+def test_the_snapshot_filesystem_is_registered_on_first_use_not_at_import():
+    # A fresh process (what torchrun starts after a failure) that never built a MemoryTier
+    # can still read a ckptmem:// root: register() installs the protocol first.
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS_READ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
 
 
 def _durable_only(rank: int, world: int, root: str, memory: str, steps: int):

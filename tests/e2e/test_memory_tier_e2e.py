@@ -39,7 +39,7 @@ import pytest
 import ckpt
 from ckpt.checksum import crc32c_of
 from ckpt.layout import shard_filename
-from ckpt.memory_layout import read_commit
+from ckpt.memory.layout import read_commit
 from testing.local_cluster import REPO, ElasticJob
 from testing.ports import free_port
 from testing.procs import RunTimeoutError, run_bounded

@@ -1,7 +1,7 @@
 """Files of the memory tier on a node: names, the commit record, slots (no collectives).
 
     <base>/<run key>/h{rank:05d}/slot{0,1}/
-        rank_{R:05d}.distcp      the holder's own shard (DCP format: ckpt/memory_shard.py)
+        rank_{R:05d}.distcp      the holder's own shard (DCP format: ckpt/memory/shard.py)
         rank_{S:05d}.distcp      replicas it received from ranks on another node
         .metadata                DCP metadata of the whole snapshot
         manifest.json            every file with size and crc32c, every item's crc32c
@@ -24,10 +24,10 @@ import shutil
 from dataclasses import dataclass
 
 from ckpt import env
-from ckpt import memory_shard as shard
 from ckpt.errors import CheckpointError
 from ckpt.layout import MANIFEST_NAME
 from ckpt.manifest import CompleteMarker, Manifest
+from ckpt.memory import shard
 
 ENV_MEMORY_DIR = env.MEMORY_DIR
 DEFAULT_MEMORY_DIR = "/dev/shm/ckpt-memory"
@@ -130,7 +130,7 @@ def listdir(path: str) -> list[str]:
 
 
 def write_file(path: str, data: bytes) -> None:
-    with shard._ShardFile(path) as out:
+    with shard.ShardFile(path) as out:
         out.write(data)
         out.finish(len(data))
 

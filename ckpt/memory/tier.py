@@ -4,7 +4,7 @@ durable checkpoint.
 
 torchrun restarts every worker process after a failure, so a copy kept only in a
 process's heap dies with it. Each rank keeps its snapshots in files under a node-local
-tmpfs directory that outlives the process (layout: :mod:`ckpt.memory_layout`). A node is
+tmpfs directory that outlives the process (layout: :mod:`ckpt.memory.layout`). A node is
 a host and a base directory (the tests give each simulated node its own base).
 
 A snapshot (every ``memory_every`` steps, :meth:`MemoryTier.snapshot`) is taken in the
@@ -17,7 +17,7 @@ process. A background thread then sends each rank's shard to a rank on the next 
 once that finishes; a replica is checked against the manifest's crc32c on arrival and
 again before any use. Two slots per rank: the newest two snapshots, files reused in place.
 
-Resume (:mod:`ckpt.memory_restore`) gathers what every node holds, picks the newest
+Resume (:mod:`ckpt.memory.restore`) gathers what every node holds, picks the newest
 snapshot that is complete across the surviving nodes and newer than the newest durable
 checkpoint, verifies and ships the shards, and loads them with the normal verified
 ``ckpt.load``.
@@ -39,14 +39,15 @@ import torch
 import torch.distributed as dist
 
 from ckpt import env
-from ckpt import memory_shard as shard
 from ckpt.checksum import crc32c_of, encode_crc32c
-from ckpt.commit import _utc_now, process_start_time
+from ckpt.commit import process_start_time, utc_now
 from ckpt.dist import Collective, new_checkpoint_group
 from ckpt.errors import CheckpointError
 from ckpt.layout import DCP_METADATA_NAME, MANIFEST_NAME, shard_filename
 from ckpt.manifest import Attempt, CompleteMarker, FileEntry, Manifest
-from ckpt.memory_layout import (
+from ckpt.memory import fs as memory_fs
+from ckpt.memory import shard
+from ckpt.memory.layout import (
     COMMIT_NAME,
     SLOTS,
     SlotInfo,
@@ -61,7 +62,7 @@ from ckpt.memory_layout import (
     unlink,
     write_file,
 )
-from ckpt.memory_replicate import Job, Replicator, replica_targets
+from ckpt.memory.replicate import Job, Replicator, replica_targets
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class MemoryTier:
     def __init__(
         self, root: str, every: int, *, memory_dir: str | None = None, distributed: bool
     ) -> None:
+        memory_fs.install()  # ckptmem://, what a resume from this tier loads from
         self.every = every
         self.base = memory_base_dir(memory_dir)
         # Two gloo groups of its own: snapshot collectives (caller's thread) and the
@@ -135,7 +137,7 @@ class MemoryTier:
         self.replan_count = 0
         self.last_restore: dict[str, float] = {}
         """This rank's transfer counts and waits of the last memory resume (see
-        :class:`ckpt.memory_restore.Restore`)."""
+        :class:`ckpt.memory.restore.Restore`)."""
         self._layout: shard.ShardLayout | None = None
         self._slots: list[SlotInfo | None] | None = None
         self._orphans_removed = False
@@ -235,7 +237,7 @@ class MemoryTier:
             step=step,
             attempt=attempt,
             manifest_crc32c=crc32c_of(manifest_bytes),
-            committed_at=_utc_now(),
+            committed_at=utc_now(),
         )
         write_file(os.path.join(slot_dir, COMMIT_NAME), marker.to_bytes())
         slots[slot] = SlotInfo(step, attempt.save_id, self.restart_count)
@@ -269,7 +271,7 @@ class MemoryTier:
         elif [(c[0], c[1]) for c in written.chunks] != layout.spans.get(mine, []):
             status = 3
         elif self.rank == 0:
-            meta = json.dumps({"meta": metadata, "created_at": _utc_now()}).encode()
+            meta = json.dumps({"meta": metadata, "created_at": utc_now()}).encode()
             status = 4 if len(meta) > FAST_META_BYTES else 0
         words = np.zeros(5 + n_max + FAST_META_BYTES // 8, dtype=np.int64)
         if status == 0 and written is not None:
@@ -314,8 +316,16 @@ class MemoryTier:
         }
         if self.rank == 0:
             report["meta"] = metadata
-            report["created_at"] = _utc_now()
+            report["created_at"] = utc_now()
         return report
+
+    def pruned(self, newest_step: int | None) -> None:
+        """A resume kept ``newest_step``'s snapshot (None: none) and removed the others:
+        what this holder has on disk is read again at the next snapshot, and older
+        attempts' slots are no longer stale (the resume already chose among them)."""
+        self.resumed = True
+        self._slots = None
+        self.newest_step = newest_step
 
     def _slot_state(self) -> list[SlotInfo | None]:
         if self._slots is None:

@@ -1,6 +1,6 @@
 """One rank's shard file of a memory snapshot: DCP's format, written without re-planning.
 
-A memory snapshot (:mod:`ckpt.memory_tier`) is taken every few steps, so the fixed
+A memory snapshot (:mod:`ckpt.memory.tier`) is taken every few steps, so the fixed
 costs of a save matter more than its bytes. Measured on the tiny GPT (140 items per
 rank, 0.8 MB): planning a DCP save (local plans pickled, gathered, the global plan
 scattered, results gathered) cost ~60 ms and ``torch.save`` ~0.2 ms per item whatever
@@ -44,10 +44,9 @@ from torch.futures import Future
 
 from ckpt import checksum
 from ckpt.checksum import ChecksummingWriter, encode_crc32c
-from ckpt.dist import Collective
-from ckpt.dist import quiet_single_process as _quiet_single_process
-from ckpt.tensorblob import _NotPlain, _records
-from ckpt.writer import BlockSavePlanner, ShardWriter, _own_storage, _zip_crc32_off
+from ckpt.dist import Collective, quiet_single_process
+from ckpt.tensorblob import NotPlain, zip_records
+from ckpt.writer import BlockSavePlanner, ShardWriter, own_storage, zip_crc32_off
 
 Chunk = list[Any]  # [offset, length, crc32c] of one item, as in the manifest
 
@@ -160,7 +159,7 @@ def planned_write(
     """
     planner = BlockSavePlanner()
     writer = _TemplateWriter(path_of)
-    with _quiet_single_process():
+    with quiet_single_process():
         metadata = dcp.save(
             state,
             storage_writer=writer,
@@ -217,19 +216,19 @@ def fast_write(layout: ShardLayout, path: str) -> WrittenShard | None:
     slow = changed or any(not item.prefix for item, _ in tensors)
     # torch.save runs only for changed values and tensors without a template; reading
     # torch's serialization config (the crc32 switch) costs ~0.1 ms, so only then.
-    with _zip_crc32_off() if slow else contextlib.nullcontext():
+    with zip_crc32_off() if slow else contextlib.nullcontext():
         for item, value in changed:
             buf = io.BytesIO()
             torch.save(value, buf)
             item.value, item.data = copy.deepcopy(value), buf.getvalue()
-        with _ShardFile(path) as sink:
+        with ShardFile(path) as sink:
             stream = _ItemStream(sink)
             for item, tensor in tensors:
                 if item.prefix:
                     stream.item(item.prefix, _raw_bytes(tensor), item.suffix)
                 else:  # no template (not the plain one-storage case): torch.save it
                     buf = io.BytesIO()
-                    torch.save(_own_storage(tensor), buf)
+                    torch.save(own_storage(tensor), buf)
                     stream.item(buf.getbuffer())
             for item in layout.items:
                 if item.is_bytes:
@@ -282,13 +281,13 @@ class _ItemStream:
         views = [memoryview(part).cast("B") for part in parts]
         for view in views:
             self.sink.write(view)
-            crc = checksum._extend(crc, view)
+            crc = checksum.crc32c_extend(crc, view)
             length += view.nbytes
         if length >= _COMBINE_MIN_BYTES:
-            self.crc = checksum._mulmod(_shift(length), self.crc) ^ crc
+            self.crc = checksum.crc32c_mulmod(_shift(length), self.crc) ^ crc
         else:
             for view in views:
-                self.crc = checksum._extend(self.crc, view)
+                self.crc = checksum.crc32c_extend(self.crc, view)
         self.chunks.append([self.size, length, encode_crc32c(crc)])
         self.crcs.append(crc)
         self.size += length
@@ -296,7 +295,7 @@ class _ItemStream:
 
 @functools.lru_cache(maxsize=1024)
 def _shift(length: int) -> int:
-    return checksum._shift_operator(length)
+    return checksum.crc32c_shift_operator(length)
 
 
 def _local(data: Any) -> torch.Tensor:
@@ -317,14 +316,14 @@ def _same_value(new: Any, old: Any) -> bool:
         return False
 
 
-class _ShardFile:
+class ShardFile:
     """A file rewritten in place (no truncation until the new size is known), buffered."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._file: Any = None
 
-    def __enter__(self) -> _ShardFile:
+    def __enter__(self) -> ShardFile:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self._file = io.BufferedWriter(io.FileIO(fd, "r+"), buffer_size=1 << 20)
         return self
@@ -370,12 +369,13 @@ class _TemplateWriter(StorageWriter):
     prepare_global_plan = ShardWriter.prepare_global_plan
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assert isinstance(planner, BlockSavePlanner)  # build() plans with one
         self.filename = str(plan.storage_data)
         ordered = sorted(plan.items, key=lambda it: it.type == WriteItemType.BYTE_IO)
         items: list[_Item] = []
         results: list[WriteResult] = []
         chunks: list[Chunk] = []
-        with _zip_crc32_off(), _ShardFile(self.path_of(self.filename)) as sink:
+        with zip_crc32_off(), ShardFile(self.path_of(self.filename)) as sink:
             stream = ChecksummingWriter(sink)
             for write_item in ordered:
                 stream.start_segment()
@@ -391,7 +391,7 @@ class _TemplateWriter(StorageWriter):
                     item = _template(write_item.index, _local(planner.resolve_data(write_item)))
                     stream.write(item.data)
                     item.data = b""
-                    block = planner._blocks.get(write_item.index)  # type: ignore[attr-defined]
+                    block = planner.block_of(write_item.index)
                     item.block = None if block is None else (block[1], block[2])
                 item.write_item = write_item
                 items.append(item)
@@ -431,7 +431,7 @@ def _template(index: MetadataIndex, tensor: torch.Tensor) -> _Item:
 
     ``data`` holds the whole serialized item (written once, then dropped).
     """
-    own = _own_storage(tensor)
+    own = own_storage(tensor)
     buf = io.BytesIO()
     torch.save(own, buf)
     raw = buf.getvalue()
@@ -439,8 +439,8 @@ def _template(index: MetadataIndex, tensor: torch.Tensor) -> _Item:
     if not own.is_contiguous():
         return item
     try:
-        records = _records(memoryview(raw))
-    except _NotPlain:
+        records = zip_records(memoryview(raw))
+    except NotPlain:
         return item
     data_records = [(off, size) for name, (off, size) in records.items() if "/data/" in name]
     nbytes = own.numel() * own.element_size()

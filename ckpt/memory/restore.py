@@ -7,7 +7,7 @@ Collective over the tier's gloo groups, in three calls the manager makes in orde
    same list and computes the same candidates: snapshots with a valid commit record,
    newer than the newest durable checkpoint and not fenced by it, with every file the
    manifest lists present (right size) on some surviving node; newest first.
-2. :func:`materialize`: every rank gets a ``ckptmem://`` root (:mod:`ckpt.memory_fs`)
+2. :func:`materialize`: every rank gets a ``ckptmem://`` root (:mod:`ckpt.memory.fs`)
    holding the candidate: the files its node has, mapped read-only; from a node that has
    the others, only the byte ranges its own load plan reads, shipped over gloo; plus
    manifest.json, COMPLETE (the snapshot's commit record) and ``.metadata``. The manager
@@ -43,14 +43,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt import memory_fs
 from ckpt.checksum import crc32c_of
 from ckpt.dist import Collective
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.layout import COMPLETE_NAME, DCP_METADATA_NAME, MANIFEST_NAME, checkpoint_dirname
 from ckpt.manifest import Manifest
-from ckpt.memory_layout import COMMIT_NAME, SLOTS, read_commit, remove_slot
-from ckpt.memory_tier import MemoryTier
+from ckpt.memory import fs as memory_fs
+from ckpt.memory.layout import COMMIT_NAME, SLOTS, read_commit, remove_slot
+from ckpt.memory.tier import MemoryTier
 from ckpt.reader import SafeLoadPlanner, load_metadata
 
 logger = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ def materialize(
         )
     # Map this node's copies (to load, and to send from) and plan this rank's reads; one
     # gather then tells every rank what every other needs, or that some rank cannot go on.
-    files: dict[str, memory_fs._File] = {}
+    files: dict[str, memory_fs.SnapshotFile] = {}
     mine: dict[str, list[tuple[int, int]]] = {}
     plan_error: CheckpointError | None = None
     map_error = None
@@ -326,7 +326,7 @@ def materialize(
 def _post(
     tier: MemoryTier,
     transfers: list[tuple[str, int, int, list[tuple[int, int]]]],
-    files: dict[str, memory_fs._File],
+    files: dict[str, memory_fs.SnapshotFile],
 ) -> tuple[dict[str, list[memory_fs.Arriving]], list[Any], dict[str, float]]:
     """Post this rank's part of ``transfers`` over the replication group, in chunks.
 
@@ -473,9 +473,7 @@ def prune(tier: MemoryTier, keep: Candidate | None) -> None:
                 ):
                     remove_slot(slot_dir)
     coll.all_gather(None)
-    tier.resumed = True
-    tier._slots = None
-    tier.newest_step = None if kept is None else kept.step
+    tier.pruned(None if kept is None else kept.step)
 
 
 def _listdir(path: str) -> list[str]:

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt import async_save as _async
-from ckpt import memory_fs
-from ckpt import memory_shard as shard
+from ckpt.async_save import lower_thread_priority, save_thread_nice
 from ckpt.checksum import crc32c_of
 from ckpt.errors import CorruptCheckpointError
 from ckpt.layout import shard_filename
+from ckpt.memory import fs as memory_fs
+from ckpt.memory import shard
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Replicator:
         if self._worker is None:
             self._worker = threading.Thread(
                 target=self._work,
-                args=(_async.save_thread_nice(),),
+                args=(save_thread_nice(),),
                 name="ckpt-memory-replicate",
                 daemon=True,
             )
@@ -106,7 +106,7 @@ class Replicator:
             self._queue.put(None)
 
     def _work(self, nice: int) -> None:
-        _async.lower_thread_priority(nice)
+        lower_thread_priority(nice)
         while True:
             job = self._queue.get()
             if job is None:
@@ -145,6 +145,6 @@ class Replicator:
                 raise CorruptCheckpointError(
                     f"replica of rank {src}'s shard of step {job.step} arrived with another crc32c"
                 )
-            with shard._ShardFile(os.path.join(job.slot_dir, shard_filename(src))) as out:
+            with shard.ShardFile(os.path.join(job.slot_dir, shard_filename(src))) as out:
                 out.write(view)
                 out.finish(view.nbytes)

@@ -1,6 +1,6 @@
 """``ckptmem://``: a per-process, read-only fsspec filesystem over memory-tier files.
 
-A memory-tier resume (:mod:`ckpt.memory_restore`) hands the normal verified loader
+A memory-tier resume (:mod:`ckpt.memory.restore`) hands the normal verified loader
 (``ckpt.load``: manifest, ``.metadata``, every item's crc32c, resharding) a root whose
 files are what this rank can reach without copying them first:
 
@@ -34,7 +34,7 @@ from fsspec import AbstractFileSystem
 PROTOCOL = "ckptmem"
 
 
-class _File:
+class SnapshotFile:
     size: int
 
     def read(self, start: int, end: int) -> memoryview:
@@ -44,7 +44,7 @@ class _File:
         pass
 
 
-class BytesFile(_File):
+class BytesFile(SnapshotFile):
     def __init__(self, data: bytes) -> None:
         self.data = bytes(data)
         self.size = len(self.data)
@@ -53,7 +53,7 @@ class BytesFile(_File):
         return memoryview(self.data)[start:end]
 
 
-class MappedFile(_File):
+class MappedFile(SnapshotFile):
     """A local file, mapped read-only (its size checked against what the manifest says)."""
 
     def __init__(self, path: str, size: int) -> None:
@@ -141,7 +141,7 @@ class Arriving:
             chunk[3] = f"{type(exc).__name__}: {exc}"
 
 
-class PiecesFile(_File):
+class PiecesFile(SnapshotFile):
     """Some byte ranges of a file, arriving (:class:`Arriving`); other ranges are not here."""
 
     def __init__(self, size: int, pieces: list[Arriving]) -> None:
@@ -170,7 +170,7 @@ class SnapshotFileSystem(AbstractFileSystem):
 
     protocol = PROTOCOL
     root_marker = ""
-    _stores: ClassVar[dict[str, dict[str, _File]]] = {}
+    _stores: ClassVar[dict[str, dict[str, SnapshotFile]]] = {}
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     @classmethod
@@ -182,13 +182,13 @@ class SnapshotFileSystem(AbstractFileSystem):
             path = path[len(PROTOCOL) + 3 :]
         return path.strip("/")
 
-    def _files(self, path: str) -> tuple[str, dict[str, _File]]:
+    def _files(self, path: str) -> tuple[str, dict[str, SnapshotFile]]:
         path = self._strip_protocol(path)
         key = path.split("/", 1)[0]
         with self._lock:
             return path, self._stores.get(key, {})
 
-    def _file(self, path: str) -> _File:
+    def _file(self, path: str) -> SnapshotFile:
         path, files = self._files(path)
         found = files.get(path)
         if found is None:
@@ -243,15 +243,20 @@ class SnapshotFileSystem(AbstractFileSystem):
         pass
 
 
-def register(key: str, files: dict[str, _File]) -> str:
-    """Make ``files`` (relative paths) readable under ``ckptmem://key``; returns that URL.
+def install() -> None:
+    """Tell fsspec that ``ckptmem://`` is :class:`SnapshotFileSystem` (idempotent).
 
-    The first call registers the ``ckptmem`` protocol with fsspec (nothing is
-    registered at import); every snapshot URL comes from here, so it always is before
-    fsspec resolves one.
+    Not done at import: :class:`~ckpt.memory.tier.MemoryTier` calls it when constructed
+    and :func:`register` before it hands out a ``ckptmem://`` URL, so a fresh process
+    that loads a snapshot has the protocol before fsspec resolves it.
     """
     if fsspec.registry.get(PROTOCOL) is not SnapshotFileSystem:
         fsspec.register_implementation(PROTOCOL, SnapshotFileSystem, clobber=True)
+
+
+def register(key: str, files: dict[str, SnapshotFile]) -> str:
+    """Make ``files`` (relative paths) readable under ``ckptmem://key``; returns that URL."""
+    install()
     with SnapshotFileSystem._lock:
         SnapshotFileSystem._stores[key] = {f"{key}/{name}": f for name, f in files.items()}
     return f"{PROTOCOL}://{key}"
