@@ -3,7 +3,9 @@
 Every message names the URL (and where it matters the step, file and rank) and
 says what to do. Catch :class:`CheckpointError` to handle any of them
 (:class:`StateSpecError`, a bad state dict given to the manager, is a ``TypeError``).
-Every exception ``ckpt`` raises on purpose is defined here.
+Every exception ``ckpt`` raises on purpose is defined here (the transport-level
+``OSError`` stand-ins of fault injection and the gs:// client stay next to their code:
+the storage layer turns them into :class:`StorageError`).
 """
 
 from __future__ import annotations
@@ -119,3 +121,7 @@ class ExportError(CheckpointError):
 
 class StateSpecError(TypeError):
     """A value in the manager's state dict cannot be checkpointed as given (a ``TypeError``)."""
+
+
+class SnapshotError(CheckpointError):
+    """A memory snapshot was not committed (training goes on; the previous one stays)."""

@@ -37,11 +37,12 @@ import torch.distributed as dist
 from ckpt import dist as _dist
 from ckpt import root_check as _root_check
 from ckpt.app_state import AppState
-from ckpt.capture import Captured, StateCapture
+from ckpt.capture import StateCapture
 from ckpt.discovery import Catalog
 from ckpt.errors import CheckpointError
 from ckpt.faults import FaultRegistry, parse_storage_faults
-from ckpt.memory import MemorySnapshots, MemoryTier, SnapshotError
+from ckpt.memory import MemorySnapshots, MemoryTier
+from ckpt.memory.snapshots import take_snapshot
 from ckpt.resume import ResumeInfo, ResumeWalk
 from ckpt.retention import DEFAULT_RETENTION, RetentionPolicy
 from ckpt.retention import describe as describe_retention
@@ -280,7 +281,7 @@ class CheckpointManager:
         captured = None
         if self._memory is not None and not final and self._memory.due(step):
             captured = self._state.capture(step, reuse_shapes=True)
-            self._snapshot(step, captured)
+            take_snapshot(self._memory, step, captured[0], captured[1], self.rank, self._emit)
         if not (final or self.due(step)):
             return None
         url = self._save(step, blocking=final or not self.async_save, captured=captured)
@@ -288,23 +289,6 @@ class CheckpointManager:
         if final and url is None:
             raise self.failures.final_failed(step)
         return url
-
-    def _snapshot(self, step: int, captured: Captured) -> None:
-        """Memory-tier snapshot of ``step`` (collective); a failure is reported, never raised."""
-        tier = self._memory
-        assert tier is not None
-        for error in tier.replication_errors():
-            self._emit(
-                ev.MEMORY_SNAPSHOT_FAILED, step, phase="replicate", error=error, rank=self.rank
-            )
-        state, meta, _ = captured
-        try:
-            tier.snapshot(step, state, meta)
-        except SnapshotError as exc:
-            logger.error("rank %d step %d: %s; training continues", self.rank, step, exc)
-            self._emit(
-                ev.MEMORY_SNAPSHOT_FAILED, step, phase="write", error=str(exc), rank=self.rank
-            )
 
     def save(self, step: int, *, blocking: bool = True, emergency: bool = False) -> str | None:
         """Save ``step`` now (collective); returns the URL, or None when the save failed.

@@ -19,9 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from elastic.distributed import DistContext, close_distributed, init_distributed
-    from elastic.errors import MicroBatchSplitError, Preempted, PreemptionHandlerError
+    from elastic.errors import (
+        InjectedFault,
+        MicroBatchSplitError,
+        Preempted,
+        PreemptionHandlerError,
+    )
     from elastic.events import RunRecorder
-    from elastic.faults import FaultPlan, InjectedFault, parse_fault_spec
+    from elastic.faults import FaultPlan, parse_fault_spec
     from elastic.guard import EmergencySaver, RunGuard
     from elastic.heartbeat import PEER_SILENT_EXIT_CODE
     from elastic.process import exit_now
@@ -33,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "close_distributed": "elastic.distributed",
     "init_distributed": "elastic.distributed",
     "FaultPlan": "elastic.faults",
-    "InjectedFault": "elastic.faults",
+    "InjectedFault": "elastic.errors",
     "parse_fault_spec": "elastic.faults",
     "EmergencySaver": "elastic.guard",
     "Preempted": "elastic.errors",

@@ -5,12 +5,13 @@
 - :class:`PreemptionHandlerError`: the preemption handler cannot be installed or used.
 - :class:`MicroBatchSplitError` (a ``ValueError``): the per-rank batch cannot be cut into
   micro-batches of the asked size.
-- :class:`InjectedFault` (``elastic.faults``): a ``raise`` fault of the fault plan fired.
+- :class:`InjectedFault`: a ``raise`` fault of the fault plan (``elastic.faults``) fired.
 """
 
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 
 class Preempted(SystemExit):
@@ -43,3 +44,14 @@ class PreemptionHandlerError(RuntimeError):
 
 class MicroBatchSplitError(ValueError):
     """The per-rank batch cannot be cut into micro-batches of the requested size."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a ``raise`` fault (``elastic.faults``); an intentional failure, never a bug."""
+
+    def __init__(self, spec: Any, step: int, rank: int) -> None:
+        super().__init__(f"injected fault {spec} fired at step {step} on rank {rank}")
+        self.spec = spec
+        """The ``elastic.faults.FaultSpec`` that fired."""
+        self.step = step
+        self.rank = rank

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from elastic.errors import InjectedFault
 from runcore.faultspec import split_fault_spec
 
 logger = logging.getLogger(__name__)
@@ -64,16 +65,6 @@ VALID_KINDS: tuple[str, ...] = tuple(kind.value for kind in FaultKind)
 VALID_KEYS: tuple[str, ...] = ("step", "rank", "attempt")
 STORAGE_KEYS: tuple[str, ...] = ("phase", "error", "times", "delay_ms")
 """Extra keys of a `ckpt-storage` spec, handed to the checkpoint library as they are."""
-
-
-class InjectedFault(RuntimeError):
-    """Raised by a `raise` fault; an intentional failure, never a real bug."""
-
-    def __init__(self, spec: FaultSpec, step: int, rank: int) -> None:
-        super().__init__(f"injected fault {spec} fired at step {step} on rank {rank}")
-        self.spec = spec
-        self.step = step
-        self.rank = rank
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

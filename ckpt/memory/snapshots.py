@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ckpt.errors import CorruptCheckpointError
 from ckpt.faults import FaultRegistry
 from ckpt.memory import restore
-from ckpt.memory.tier import MemoryTier
+from ckpt.memory.tier import MemoryTier, SnapshotError
 from ckpt.restore import LoadResult
 from ckpt.restore import load as _load
 from ckpt.storage import StorageOptions
 from ckpt.tiers import Candidate, DurableHead, Sink, manager_record
+from runcore import events as ev
 
 logger = logging.getLogger("ckpt.manager")  # the manager's messages: one logger to filter
 
@@ -105,3 +107,26 @@ class MemorySnapshots:
 
     def exhausted(self) -> None:
         restore.prune(self.tier, None)
+
+
+def take_snapshot(
+    tier: MemoryTier,
+    step: int,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    rank: int,
+    emit: Callable[..., None],
+) -> None:
+    """Snapshot ``step`` into ``tier`` (collective): what ``maybe_save`` does every K steps.
+
+    A failure is logged and reported (``memory_snapshot_failed``, phase ``write``; a
+    background replication that failed since the last one: phase ``replicate``), never
+    raised: the durable tier is still there and training goes on.
+    """
+    for error in tier.replication_errors():
+        emit(ev.MEMORY_SNAPSHOT_FAILED, step, phase="replicate", error=error, rank=rank)
+    try:
+        tier.snapshot(step, state, meta)
+    except SnapshotError as exc:
+        logger.error("rank %d step %d: %s; training continues", rank, step, exc)
+        emit(ev.MEMORY_SNAPSHOT_FAILED, step, phase="write", error=str(exc), rank=rank)

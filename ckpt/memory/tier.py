@@ -42,7 +42,7 @@ from ckpt import env
 from ckpt.checksum import crc32c_of, encode_crc32c
 from ckpt.commit import process_start_time, utc_now
 from ckpt.dist import Collective, new_checkpoint_group
-from ckpt.errors import CheckpointError
+from ckpt.errors import SnapshotError
 from ckpt.layout import DCP_METADATA_NAME, MANIFEST_NAME, shard_filename
 from ckpt.manifest import Attempt, CompleteMarker, FileEntry, Manifest
 from ckpt.memory import fs as memory_fs
@@ -69,10 +69,6 @@ logger = logging.getLogger(__name__)
 CLOSE_WAIT_S = 10.0
 FAST_META_BYTES = 8192
 """Rank 0's manifest metadata travels in the snapshot's one all_gather up to this size."""
-
-
-class SnapshotError(CheckpointError):
-    """A memory snapshot was not committed (training goes on; the previous one stays)."""
 
 
 class MemoryTier:
