@@ -124,8 +124,9 @@ def test_worker_killed_group_restarts_and_matches_uninterrupted_run(job_factory,
     )
 
 
-def test_agent_killed_survivors_finish_resharded(job_factory):
-    job = job_factory("lost")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_agent_killed_survivors_finish_resharded(job_factory, backend):
+    job = job_factory("lost", rdzv_backend=backend)
     agents = [job.add_agent() for _ in range(3)]
     job.wait_for(
         lambda: job.last_step() >= 14 and job.metrics()[-1]["world_size"] == 3,
@@ -144,9 +145,10 @@ def test_agent_killed_survivors_finish_resharded(job_factory):
     assert last.step == STEPS and last.manifest.world_size == 2
 
 
-def test_agent_joins_job_continues_at_world_size_3(job_factory):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_agent_joins_job_continues_at_world_size_3(job_factory, backend):
     steps = 100  # long enough that the newcomer's torchrun starts before the job ends
-    job = job_factory("join")
+    job = job_factory("join", rdzv_backend=backend)
     job.trainer_args[job.trainer_args.index(str(STEPS))] = str(steps)
     job.add_agent()
     job.add_agent()
