@@ -16,6 +16,7 @@ from typing import Any
 
 from bench import memory_tier
 from bench import metrics as m
+from bench import rendezvous as rdzv
 from bench.async_rounds import async_rounds
 from bench.elastic_runs import (
     WARM_MODULE,
@@ -69,6 +70,8 @@ class Mode:
     trainer vs plain-loop runs): each costs a process start per side."""
     memory: memory_tier.Mode
     """The mode of :mod:`bench.memory_tier` (memory_tier_stall, peer_restore_vs_disk)."""
+    rendezvous_n: tuple[int, ...]
+    """Simulated agent counts of rendezvous_vs_c10d (:mod:`bench.rendezvous`)."""
 
 
 QUICK = Mode(
@@ -83,6 +86,7 @@ QUICK = Mode(
     silent_runs=0,
     spawn_rounds=2,
     memory=memory_tier.QUICK,
+    rendezvous_n=rdzv.QUICK_N,
 )
 FULL = Mode(
     name="full",
@@ -96,6 +100,7 @@ FULL = Mode(
     silent_runs=2,
     spawn_rounds=5,
     memory=memory_tier.FULL,
+    rendezvous_n=rdzv.FULL_N,
 )
 WARMUP_STEPS = 5
 FULL_ONLY = ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss")
@@ -384,6 +389,20 @@ def _silent(work: str, mode: Mode) -> list[m.Metric]:
     ]
 
 
+def _rendezvous(mode: Mode) -> list[m.Metric]:
+    """rendezvous_vs_c10d: handler-only agents against one store, c10d and ft side by side."""
+    rows = []
+    for n in mode.rendezvous_n:
+        for backend in rdzv.BACKENDS:
+            _progress(f"rendezvous: {backend} N={n}")
+            rows.append(rdzv.simulate(backend, n, timeout_s=mode.timeout_s))
+    return [m.rendezvous_metric(rows)]
+
+
+def _progress(text: str) -> None:
+    print(f"bench: {text}", file=sys.stderr, flush=True)
+
+
 def tasks(work: str, mode: Mode) -> list[tuple[str, str, Callable[[], list[m.Metric]]]]:
     """``(group, what, run)`` in run order; each task that needs one gets its own directory."""
 
@@ -402,6 +421,7 @@ def tasks(work: str, mode: Mode) -> list[tuple[str, str, Callable[[], list[m.Met
         ("memory", "memory tier", lambda: _memory(own("memory"), mode)),
         ("elastic", "kill jobs", lambda: _elastic(work, mode)),
         ("elastic", "silent node jobs", lambda: _silent(work, mode)),
+        ("rendezvous", "rendezvous simulation", lambda: _rendezvous(mode)),
         ("export", "export rounds", lambda: _export(own("export"), mode)),
     ]
 

@@ -27,6 +27,7 @@ TARGETS: dict[str, tuple[float, str]] = {
     "fault_cost_s": (3.0, "<="),
     "ettr": (0.85, ">="),
     "silent_node_loss": (15.0, "<="),
+    "rendezvous_vs_c10d": (0.33, "<="),
     "export_memory": (2.0, "<="),
     "export_vs_read": (0.8, ">="),
     "gcs_load_vs_cat": (1.3, ">="),
@@ -46,6 +47,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gcs": ("gcs_save_vs_pipe", "gcs_load_vs_cat"),
     "memory": ("memory_tier_stall", "peer_restore_vs_disk"),
     "elastic": ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss"),
+    "rendezvous": ("rendezvous_vs_c10d",),
     "export": ("export_memory", "export_vs_read"),
 }
 """Measurement groups (``python -m bench --only``), in run order, and the metrics each yields."""
@@ -509,3 +511,19 @@ def memory_metrics(raw: dict[str, dict[str, Any]]) -> list[Metric]:
         Metric(name=name, value=float(r["value"]), detail=dict(r["detail"]))
         for name, r in raw.items()
     ]
+
+
+def rendezvous_metric(rows: list[dict[str, Any]]) -> Metric:
+    """rendezvous_vs_c10d: the ``ft`` backend's re-round over c10d's, at the largest N
+    simulated (bench/rendezvous.py); every phase of every N in ``detail``."""
+    largest = max(r["n"] for r in rows)
+    by = {r["backend"]: r for r in rows if r["n"] == largest}
+    detail: dict[str, Any] = {"n": largest, "phase": "reround_s"}
+    detail["rows"] = [
+        {k: (_r(v) if isinstance(v, float) else v) for k, v in r.items()} for r in rows
+    ]
+    return Metric(
+        name="rendezvous_vs_c10d",
+        value=_r(by["ft"]["reround_s"] / by["c10d"]["reround_s"]),
+        detail=detail,
+    )

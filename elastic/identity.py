@@ -197,7 +197,10 @@ def job_restart_count(identity: RunIdentity, process_group: dist.ProcessGroup | 
 
 
 ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-"""Must be "1" in torchrun's environment for restarts to reach a working process group."""
+"""Must be "1" in torchrun's environment for restarts to reach a working process group
+(unless the rendezvous backend does not share its store, as ``--rdzv_backend=ft``)."""
+ENV_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+"""Set by torchrun for its workers: "False" when they do not reuse the agent's store."""
 
 
 def restart_setup_problem(env: Mapping[str, str] | None = None) -> str | None:
@@ -208,7 +211,9 @@ def restart_setup_problem(env: Mapping[str, str] | None = None) -> str | None:
     restarted worker group can reuse the rank-0 agent's TCP store and read stale peer
     addresses (pytorch#135712): measured here, ``--standalone --max_restarts=1`` hung in
     ``init_process_group`` after a worker kill. A worker cannot fix its agent's
-    environment, so this only says what to set.
+    environment, so this only says what to set. Workers whose agent does not share its
+    store (torchrun sets TORCHELASTIC_USE_AGENT_STORE=False: ``--rdzv_backend=ft``, or
+    c10d with the variable set) are fine.
     """
     source: Mapping[str, str] = os.environ if env is None else env
     try:
@@ -217,8 +222,11 @@ def restart_setup_problem(env: Mapping[str, str] | None = None) -> str | None:
         return None
     if max_restarts <= 0 or source.get(ENV_DISABLE_SHARED_STORE, "") == "1":
         return None
+    if source.get(ENV_USE_AGENT_STORE, "") == "False":
+        return None
     return (
         f"torchrun allows {max_restarts} restart(s) but {ENV_DISABLE_SHARED_STORE}=1 is not set "
         "in its environment: a restarted worker group may hang in init_process_group "
-        f"(pytorch#135712). Launch as `{ENV_DISABLE_SHARED_STORE}=1 torchrun ...`."
+        f"(pytorch#135712). Launch as `{ENV_DISABLE_SHARED_STORE}=1 torchrun ...`, or use "
+        "`--rdzv_backend=ft`, which never shares its store."
     )

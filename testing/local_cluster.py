@@ -3,13 +3,14 @@
 Used by the end-to-end tests and the local demo (``examples/elastic_demo.py``) to
 run a job the way a multi-node cluster does, with agents that can be killed,
 frozen (SIGSTOP), SIGTERMed or added while it runs. Every agent is a ``torchrun``
-process joining one c10d rendezvous, on 127.0.0.1 by default; with ``wrap`` and
+process joining one rendezvous (``rdzv_backend``: c10d by default, or ``ft``), on
+127.0.0.1 by default; with ``wrap`` and
 ``local_addr`` (``testing/netns.py``) each agent runs in a network namespace of its
 own, on its own address.
 The rendezvous store runs in a process of its own (``is_host=0`` on every agent),
 so losing any agent, the first one included, does not end the job. Agents get the
-settings the README recommends: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and short
-rendezvous timeouts.
+settings the README recommends: short rendezvous timeouts, and with c10d
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (never with ``ft``, which needs none).
 
 Only processes this harness started are ever signalled: the store, the agents, and
 the workers found as descendants of an agent (by pid, from /proc). Every wait has a
@@ -37,6 +38,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RDZV_CONF = (
     "is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
 )
+"""c10d's settings (whole seconds are its floor)."""
+FT_RDZV_CONF = "is_host=0,join_timeout=60"
+"""``--rdzv_backend=ft`` (elastic/rendezvous.py): its sub-second defaults otherwise."""
+BACKENDS = ("c10d", "ft")
 
 
 def descendants(pid: int) -> list[int]:
@@ -102,6 +107,9 @@ class ElasticJob:
     nnodes: str = "2:4"
     max_restarts: int = 3
     rdzv_id: str = "e2e"
+    rdzv_backend: str = "c10d"
+    """``c10d`` (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as the README asks) or ``ft``
+    (no variable needed: its workers never share the agent's store)."""
     env: dict[str, str] = field(default_factory=dict)
     data_dir: str = ""
     """Where ``run/`` and ``ckpt/`` live (default: workdir); a relaunch passes the old job's."""
@@ -133,6 +141,10 @@ class ElasticJob:
         self.wait_for(lambda: "ready" in _read_text(self.store_log), 60, "rendezvous store start")
 
     @property
+    def rdzv_conf(self) -> str:
+        return RDZV_CONF if self.rdzv_backend == "c10d" else FT_RDZV_CONF
+
+    @property
     def run_dir(self) -> str:
         return os.path.join(self.data_dir or self.workdir, "run")
 
@@ -157,8 +169,8 @@ class ElasticJob:
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nnodes}", "--nproc_per_node=1", f"--max_restarts={self.max_restarts}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint={self.store_host}:{self.port}",
-            f"--rdzv_id={self.rdzv_id}", f"--rdzv_conf={RDZV_CONF}", "--monitor_interval=0.1",
+            f"--rdzv_backend={self.rdzv_backend}", f"--rdzv_endpoint={self.store_host}:{self.port}",
+            f"--rdzv_id={self.rdzv_id}", f"--rdzv_conf={self.rdzv_conf}", "--monitor_interval=0.1",
             f"--local_addr={local_addr}",
             "-m", self.module, *self.trainer_args, *(extra_args or []),
             "--ckpt-dir", self.ckpt_dir, "--run-dir", self.run_dir,
@@ -167,14 +179,10 @@ class ElasticJob:
             cmd = wrap(cmd)
         agent_env = env
         env = dict(os.environ)
-        env.update(
-            {
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                "PYTHONUNBUFFERED": "1",
-                "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": REPO,
-            }
-        )
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+        if self.rdzv_backend == "c10d":
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env.update(self.env)
         env.update(agent_env or {})
         with open(log_path, "w") as log:

@@ -106,6 +106,9 @@ def test_job_restart_count_without_process_group_is_local() -> None:
         ({"TORCHELASTIC_MAX_RESTARTS": "3"}, True),
         ({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, False),
         ({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}, True),
+        # --rdzv_backend=ft (or any handler whose use_agent_store is False): nothing shared
+        ({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "False"}, False),
+        ({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}, True),
     ],
 )
 def test_restart_setup_problem_names_the_variable_to_set(env, warns):

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import ckpt
-from testing.local_cluster import REPO, ElasticJob
+from bench.fault_cost import fault_cost
+from testing.local_cluster import BACKENDS, REPO, ElasticJob
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -93,11 +94,15 @@ def job_factory(tmp_path):
         job.close()
 
 
-def test_worker_killed_group_restarts_and_matches_uninterrupted_run(job_factory):
-    reference = job_factory("reference")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_worker_killed_group_restarts_and_matches_uninterrupted_run(job_factory, backend):
+    # --nnodes=2:3 --max_restarts=2 on either rendezvous backend; with ft no
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE anywhere (ElasticJob sets it for c10d only).
+    settings = {"rdzv_backend": backend, "nnodes": "2:3", "max_restarts": 2}
+    reference = job_factory("reference", **settings)
     run_two_agents(reference, 150)
 
-    job = job_factory("killed", rdzv_id="killed")
+    job = job_factory("killed", rdzv_id="killed", **settings)
     job.env["TRAINER_FAULTS"] = "kill:step=14:rank=1"
     run_two_agents(job, 180)
     assert_completed(job)
@@ -109,10 +114,19 @@ def test_worker_killed_group_restarts_and_matches_uninterrupted_run(job_factory)
         any(e["event"] == "fault" for e in job.events()) or rows
     )  # the fault event may die with the rank
     assert_bitwise_like(reference, job)
+    logs = [a.log() for a in job.agents]
+    assert not any("is not set in its environment" in text for text in logs)  # RunGuard's warning
+    cost = fault_cost(rows, job.all_events(), logs, kills=1)
+    kill = cost["per_kill"][0]
+    print(
+        f"\n[{backend}] kill -> first step after: downtime_s={kill['downtime_s']:.2f}",
+        {k: round(v, 2) for k, v in kill.items() if k.endswith("_s")},
+    )
 
 
-def test_agent_killed_survivors_finish_resharded(job_factory):
-    job = job_factory("lost")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_agent_killed_survivors_finish_resharded(job_factory, backend):
+    job = job_factory("lost", rdzv_backend=backend)
     agents = [job.add_agent() for _ in range(3)]
     job.wait_for(
         lambda: job.last_step() >= 14 and job.metrics()[-1]["world_size"] == 3,
@@ -131,9 +145,10 @@ def test_agent_killed_survivors_finish_resharded(job_factory):
     assert last.step == STEPS and last.manifest.world_size == 2
 
 
-def test_agent_joins_job_continues_at_world_size_3(job_factory):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_agent_joins_job_continues_at_world_size_3(job_factory, backend):
     steps = 100  # long enough that the newcomer's torchrun starts before the job ends
-    job = job_factory("join")
+    job = job_factory("join", rdzv_backend=backend)
     job.trainer_args[job.trainer_args.index(str(STEPS))] = str(steps)
     job.add_agent()
     job.add_agent()

@@ -1,0 +1,403 @@
+"""``ft``: a rendezvous backend for stock torchrun (``--rdzv_backend=ft``).
+
+Registered through the ``torchrun.handlers`` entry point (see pyproject.toml), so a
+job keeps torchrun and its agent and only swaps the rendezvous::
+
+    torchrun --rdzv_backend=ft --rdzv_endpoint=HOST:PORT --rdzv_id=JOB --nnodes=2:4 ...
+
+It runs over a TCPStore at the endpoint, hosted by the agent whose address matches
+it (or ``--rdzv_conf is_host=1``), or standalone when one already listens there.
+Differences from c10d a user sees: rounds finish in well under a second (a waiting
+node checks the round's result every ``poll_interval``, 50 ms, not once a second), a re-round after a
+failure finishes as soon as every live member of the previous round has rejoined, a
+dead agent is left out as soon as its keep-alive is older than ``keep_alive_timeout``,
+and ``use_agent_store`` is false: workers build their own store from
+``MASTER_ADDR``/``MASTER_PORT``, so ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` is never
+needed.
+
+Store layout, all under ``ft/<run_id>/`` (the run id fences jobs apart):
+
+- ``round``: the newest round number (a counter; a joiner moves it past a finished round);
+- ``r<R>/n``: join counter of round R; ``r<R>/s<i>``: the node id holding slot i;
+- ``r<R>/members``: the round's result, written once with ``compare_set``: a JSON
+  list of node ids (rank = position), or ``"closed"``;
+- ``hb/<node id>``: keep-alive, ``"<counter> <unix time>"``, rewritten every
+  ``keep_alive_interval`` by a thread with its own connection;
+- ``closed``: present once the job is over (``set_closed``, ``shutdown``);
+- ``r<R>/agent/``: the prefix of the store handed to the agent for round R.
+
+A round closes when (a) ``max_nodes`` have joined, or (b) at least ``min_nodes``
+have joined and every live member of the previous round is among them, or (c) at
+least ``min_nodes`` have joined and ``last_call_timeout`` has passed since this node
+saw ``min_nodes`` (first round only; a re-round waits up to ``rejoin_timeout`` for
+live members instead). The first node to see one of these writes the member list; a node
+not on it (it came late, or was taken for dead) joins the next round, which makes
+the members' ``num_nodes_waiting`` non-zero and so restarts them into it.
+
+``--rdzv_conf`` keys (defaults in :class:`FtConfig`): ``is_host``,
+``last_call_timeout``, ``join_timeout``, ``keep_alive_interval``,
+``keep_alive_timeout``, ``rejoin_timeout``, ``poll_interval``, ``connect_timeout``, ``read_timeout``
+(seconds, floats allowed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.utils import (
+    _matches_machine_hostname,
+    parse_rendezvous_endpoint,
+)
+
+log = logging.getLogger(__name__)
+
+BACKEND = "ft"
+DEFAULT_PORT = 29400
+CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class FtConfig:
+    """Timing knobs, all in seconds; each can be set with ``--rdzv_conf key=value``."""
+
+    last_call_timeout: float = 0.3
+    """After min nodes are there, how long a first round (or a growing one) waits for more."""
+    join_timeout: float = 600.0
+    """How long ``next_rendezvous`` may wait before RendezvousTimeoutError (as c10d)."""
+    keep_alive_interval: float = 0.2
+    keep_alive_timeout: float = 1.5
+    """A node whose keep-alive has not moved for this long is left out of the next round."""
+    rejoin_timeout: float = 3.0
+    """In a re-round, how long to wait for a member of the last round that is alive but
+    has not rejoined yet before the round closes without it."""
+    poll_interval: float = 0.05
+    """How often a waiting node checks whether its round is complete."""
+    connect_timeout: float = 60.0
+    """Bound on reaching the store at the endpoint (RendezvousConnectionError after it)."""
+    read_timeout: float = 60.0
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> FtConfig:
+        values = {}
+        for name in cls.__dataclass_fields__:
+            raw = params.get(name)
+            if raw is None:
+                continue
+            try:
+                value = float(raw)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"--rdzv_conf {name}={raw!r} is not a number of seconds") from exc
+            if value <= 0:
+                raise ValueError(f"--rdzv_conf {name} must be positive, got {raw!r}")
+            values[name] = value
+        return cls(**values)
+
+
+def connect_store(params: RendezvousParameters, config: FtConfig) -> TCPStore:
+    """The TCPStore at ``params.endpoint``: hosted here when this is the host (``is_host``,
+    else the endpoint names this machine and the port is free), a client otherwise."""
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    cfg_is_host = params.get_as_bool("is_host")
+    is_host = cfg_is_host if cfg_is_host is not None else _matches_machine_hostname(host)
+    attempts = [True, False] if is_host and cfg_is_host is None else [is_host]
+    last: Exception | None = None
+    for as_server in attempts:
+        try:
+            return TCPStore(
+                host,
+                port,
+                is_master=as_server,
+                multi_tenant=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=config.connect_timeout if not as_server else 30),
+            )
+        except (RuntimeError, ValueError, TimeoutError) as exc:
+            last = exc
+    raise RendezvousConnectionError(
+        f"ft rendezvous: could not reach the store at {host}:{port} within "
+        f"{config.connect_timeout:g} s (is the host agent or the store process running?): {last}"
+    ) from last
+
+
+class FtRendezvousHandler(RendezvousHandler):
+    """One agent's side of the ``ft`` rendezvous (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        *,
+        config: FtConfig | None = None,
+        local_addr: str | None = None,
+        node_id: str | None = None,
+        heartbeat_store: Store | None = None,
+    ) -> None:
+        if min_nodes < 1 or max_nodes < min_nodes:
+            raise ValueError(f"bad node range {min_nodes}:{max_nodes}")
+        self._store = store
+        self._hb_store = heartbeat_store
+        self._run_id = run_id
+        self._min = min_nodes
+        self._max = max_nodes
+        self.config = config or FtConfig()
+        self._local_addr = local_addr
+        host = local_addr or socket.gethostname()
+        self.node_id = node_id or f"{host}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        self._prefix = f"ft/{run_id}/"
+        self._round: int | None = None  # the round this node is a member of
+        self._hb_thread: threading.Thread | None = None
+        self._hb_stop = threading.Event()
+        self._shut = False
+
+    # -- keys -----------------------------------------------------------------------------
+
+    def _key(self, name: str) -> str:
+        return self._prefix + name
+
+    def _rkey(self, rnd: int, name: str) -> str:
+        return f"{self._prefix}r{rnd}/{name}"
+
+    # -- RendezvousHandler ----------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def is_closed(self) -> bool:
+        return self._store.check([self._key(CLOSED)])
+
+    def set_closed(self) -> None:
+        self._store.set(self._key(CLOSED), "1")
+        # Wake every node waiting in the open round: its result becomes "closed".
+        rnd = int(self._store.add(self._key("round"), 0))
+        for r in (rnd, rnd + 1):
+            self._store.compare_set(self._rkey(r, "members"), "", CLOSED)
+
+    def num_nodes_waiting(self) -> int:
+        if self._round is None:
+            return 0
+        return int(self._store.add(self._rkey(self._round + 1, "n"), 0))
+
+    def shutdown(self) -> bool:
+        self._stop_heartbeat()
+        if self._shut:
+            return True
+        self._shut = True
+        try:
+            self.set_closed()
+            return True
+        except Exception as exc:  # store gone: nothing left to close
+            log.warning("ft rendezvous shutdown could not reach the store: %s", exc)
+            return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        deadline = time.monotonic() + self.config.join_timeout
+        self._start_heartbeat()
+        if self.is_closed():
+            raise RendezvousClosedError()
+        rnd = self._target_round(self._round)
+        while True:
+            members = self._join(rnd, deadline)
+            if self.node_id in members:
+                break
+            rnd = self._target_round(rnd)  # left out of that round: the next one
+        self._round = rnd
+        rank = members.index(self.node_id)
+        store = PrefixStore(self._rkey(rnd, "agent/"), self._store)
+        info = RendezvousStoreInfo.build(rank, store, self._local_addr)
+        log.info(
+            "ft rendezvous %s round %d complete: rank %d of %d",
+            self._run_id,
+            rnd,
+            rank,
+            len(members),
+        )
+        return RendezvousInfo(store, rank, len(members), info)
+
+    # -- the round ------------------------------------------------------------------------
+
+    def _target_round(self, after: int | None) -> int:
+        """The first round past ``after`` whose result is not written yet (moving
+        ``round`` on to it)."""
+        rnd = int(self._store.add(self._key("round"), 0))
+        if after is not None and rnd <= after:
+            rnd = after + 1
+        while self._store.check([self._rkey(rnd, "members")]):
+            rnd += 1
+        current = int(self._store.add(self._key("round"), 0))
+        while current < rnd:
+            current = int(self._store.compare_set(self._key("round"), str(current), str(rnd)))
+        return rnd
+
+    def _members_of(self, rnd: int) -> list[str] | None:
+        if rnd < 0 or not self._store.check([self._rkey(rnd, "members")]):
+            return None
+        value = self._store.get(self._rkey(rnd, "members")).decode()
+        return None if value == CLOSED else json.loads(value)
+
+    def _join(self, rnd: int, deadline: float) -> list[str]:
+        store = self._store
+        slot = int(store.add(self._rkey(rnd, "n"), 1))
+        store.set(self._rkey(rnd, f"s{slot}"), self.node_id)
+        previous = self._members_of(rnd - 1) or []
+        liveness = Liveness(self.config.keep_alive_timeout)
+        seen: dict[int, str] = {}
+        min_seen_at: float | None = None
+        result_key = self._rkey(rnd, "members")
+        while True:
+            count = int(store.add(self._rkey(rnd, "n"), 0))
+            missing = [i for i in range(1, count + 1) if i not in seen]
+            if missing:
+                seen.update(self._read_slots(rnd, missing))
+            joined = [seen[i] for i in sorted(seen)]
+            now = time.monotonic()
+            if len(joined) >= self._min and min_seen_at is None:
+                min_seen_at = now
+            ready = len(joined) >= self._max
+            if not ready and min_seen_at is not None:
+                waited = now - min_seen_at
+                if previous:
+                    # a re-round: done once every live member of the last round is back
+                    absent = [p for p in previous if p not in joined]
+                    ready = not any(liveness.alive(p, self._hb(p)) for p in absent)
+                    ready = ready or waited >= self.config.rejoin_timeout
+                else:
+                    ready = waited >= self.config.last_call_timeout
+            if ready:
+                store.compare_set(result_key, "", json.dumps(joined[: self._max]))
+            result = self._wait_result(rnd, min(self.config.poll_interval, deadline - now))
+            if result is not None:
+                return result
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeoutError(
+                    f"ft rendezvous {self._run_id}: round {rnd} did not complete within "
+                    f"{self.config.join_timeout:g} s ({len(joined)} of min {self._min} nodes)"
+                )
+
+    def _wait_result(self, rnd: int, timeout: float) -> list[str] | None:
+        """The round's member list once written, after at most ``timeout`` s of waiting.
+
+        A poll (``check`` then ``sleep``), not ``TCPStore.wait``: a wait that times out
+        logs a C++ warning per timeout and leaves the connection busy until the server
+        answers the cancelled wait, which stalled rounds by seconds when tried."""
+        key = self._rkey(rnd, "members")
+        if not self._store.check([key]):
+            time.sleep(max(timeout, 0.0))
+            if not self._store.check([key]):
+                return None
+        value = self._store.get(key).decode()
+        if value == CLOSED:
+            raise RendezvousClosedError()
+        return json.loads(value)
+
+    def _read_slots(self, rnd: int, slots: list[int]) -> dict[int, str]:
+        """Node ids of the slots already written (a joiner writes its id right after it
+        takes a slot; one that died in between simply stays unwritten)."""
+        keys = [self._rkey(rnd, f"s{i}") for i in slots]
+        present = [(i, k) for i, k in zip(slots, keys) if self._store.check([k])]
+        if not present:
+            return {}
+        values = self._store.multi_get([k for _, k in present])
+        return {i: v.decode() for (i, _), v in zip(present, values)}
+
+    # -- keep-alive -----------------------------------------------------------------------
+
+    def _hb(self, node: str) -> str | None:
+        key = self._key(f"hb/{node}")
+        if not self._store.check([key]):
+            return None
+        return self._store.get(key).decode()
+
+    def _start_heartbeat(self) -> None:
+        if self._hb_thread is not None:
+            return
+        store = self._hb_store
+        if store is None:
+            store = self._store.clone() if isinstance(self._store, TCPStore) else self._store
+        key = self._key(f"hb/{self.node_id}")
+        store.set(key, f"0 {time.time()}")
+
+        def beat() -> None:
+            n = 0
+            while not self._hb_stop.wait(self.config.keep_alive_interval):
+                n += 1
+                try:
+                    store.set(key, f"{n} {time.time()}")
+                except Exception as exc:  # the store is gone; the round will say so
+                    log.warning("ft rendezvous keep-alive failed: %s", exc)
+                    return
+
+        self._hb_thread = threading.Thread(target=beat, name="ft-rdzv-keepalive", daemon=True)
+        self._hb_thread.start()
+
+    def _stop_heartbeat(self) -> None:
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=2)
+
+
+class Liveness:
+    """Whether a node's keep-alive is fresh: dead when its value has not changed for
+    ``timeout`` seconds of this process's clock, or when the wall time written in it
+    is older than ``timeout`` (this assumes hosts' clocks agree to well under it)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._last: dict[str, tuple[str | None, float]] = {}
+
+    def alive(self, node: str, value: str | None) -> bool:
+        now = time.monotonic()
+        old = self._last.get(node)
+        if old is None or old[0] != value:
+            self._last[node] = (value, now)
+            old = self._last[node]
+        if value is None:
+            return now - old[1] < self.timeout
+        try:
+            wall = float(value.split()[1])
+        except (IndexError, ValueError):
+            wall = time.time()
+        if time.time() - wall > self.timeout:
+            return False
+        return now - old[1] < self.timeout
+
+
+def create_handler(params: RendezvousParameters) -> FtRendezvousHandler:
+    """torchrun's creator for ``--rdzv_backend=ft``."""
+    config = FtConfig.from_params(params)
+    store = connect_store(params, config)
+    store.set_timeout(timedelta(seconds=config.read_timeout))
+    return FtRendezvousHandler(
+        store,
+        params.run_id,
+        params.min_nodes,
+        params.max_nodes,
+        config=config,
+        local_addr=params.local_addr,
+    )
