@@ -4,6 +4,7 @@ table of every metric (those not measured as NaN, with the reason), write JSON."
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import shutil
@@ -109,8 +110,12 @@ KILL_PLAN = KillPlan()
 """The jobs of restart_overhead, fault_cost_s and ettr (bench/fault_cost.py)."""
 PLAIN_KILL_STEPS = [25, 50]
 PLAIN_MAX_STEPS = 65
-"""The plain-launcher job run beside warm-launcher ones (cold restart_overhead only)."""
+"""The shorter jobs beside the fault_cost_s ones (restart_overhead's detail only): the
+trainer itself when the warm launcher is used, and the launcher on c10d."""
 ELASTIC_CKPT_EVERY = 10
+OURS_RDZV = "ft"
+"""The rendezvous backend of the elastic and silent-node jobs (elastic/rendezvous.py);
+restart_overhead's detail has the same kill on torchrun's c10d beside it."""
 SILENT_MAX_STEPS = 40
 SILENT_FREEZE_AFTER = 12
 """silent_node_loss: 3 agents, checkpoints every ELASTIC_CKPT_EVERY steps, the node of a
@@ -139,7 +144,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         f"restart launcher (torchrun ... -m {WARM_MODULE} -m trainer ...) when the module "
         f"{WARM_MODULE} can be imported, else the trainer itself (plus one job through the "
         "trainer itself for the cold figure when the warm launcher is used); "
-        "detail.launcher says which.",
+        "detail.launcher says which. They and silent_node_loss run on this project's "
+        f"rendezvous backend (torchrun --rdzv_backend={OURS_RDZV}); restart_overhead's "
+        "detail.c10d is the same kill on torchrun's c10d. Progress goes to stderr: each "
+        "task as it starts and its metrics as they land.",
     )
     p.add_argument(
         "--quick",
@@ -315,29 +323,51 @@ def _not_full(names: tuple[str, ...]) -> list[m.Metric]:
 
 def _elastic(work: str, mode: Mode) -> list[m.Metric]:
     """restart_overhead, fault_cost_s, ettr: one job with the memory tier, one durable only
-    (both through the warm launcher when it is installed), cold inits around them."""
+    (both through the warm launcher when it is installed, on our rendezvous backend), cold
+    inits around them; beside them two shorter jobs for the detail of restart_overhead:
+    the trainer itself (cold path) and the warm launcher on torchrun's c10d."""
     if not mode.elastic_jobs:
         return _not_full(("restart_overhead", "fault_cost_s", "ettr"))
     warm = warm_available()
     launcher = "warmstart" if warm else "plain"
     cold = [cold_init_s(work)]
-    ours = fault_cost_run(work, KILL_PLAN, mode.timeout_s, memory=True, warm=warm)
+    _progress(f"elastic: job 1/4, memory tier + durable, {launcher} launcher, rdzv {OURS_RDZV}")
+    ours = fault_cost_run(
+        work, KILL_PLAN, mode.timeout_s, memory=True, warm=warm, rdzv_backend=OURS_RDZV
+    )
     cold.append(cold_init_s(work))
-    base = fault_cost_run(work, KILL_PLAN, mode.timeout_s, memory=False, warm=warm)
+    _progress(f"elastic: job 2/4, durable only, {launcher} launcher, rdzv {OURS_RDZV}")
+    base = fault_cost_run(
+        work, KILL_PLAN, mode.timeout_s, memory=False, warm=warm, rdzv_backend=OURS_RDZV
+    )
     cold.append(cold_init_s(work))
     samples = restarts(ours["metrics"], ours["events"], ours["logs"])
     samples += restarts(base["metrics"], base["events"], base["logs"])
-    plain: list[dict[str, float]] | str | None = None
-    if warm:  # the cold path beside it: one shorter job through the trainer itself
+
+    def short_job(launch_warm: bool, backend: str) -> list[dict[str, float]] | str:
         try:
             out = elastic_run(
-                work, PLAIN_MAX_STEPS, PLAIN_KILL_STEPS, ELASTIC_CKPT_EVERY, mode.timeout_s
+                work,
+                PLAIN_MAX_STEPS,
+                PLAIN_KILL_STEPS,
+                ELASTIC_CKPT_EVERY,
+                mode.timeout_s,
+                warm=launch_warm,
+                rdzv_backend=backend,
             )
-            plain = restarts(out["metrics"], out["events"], out["logs"])
+            return restarts(out["metrics"], out["events"], out["logs"])
         except Exception as exc:
-            plain = f"failed: {exc}"[:500]
-        cold.append(cold_init_s(work))
-    settings = {"launcher": launcher, **KILL_PLAN.settings()}
+            return f"failed: {exc}"[:500]
+        finally:
+            cold.append(cold_init_s(work))
+
+    plain: list[dict[str, float]] | str | None = None
+    if warm:  # the cold path beside it: one shorter job through the trainer itself
+        _progress(f"elastic: job 3/4, the trainer itself (cold path), rdzv {OURS_RDZV}")
+        plain = short_job(False, OURS_RDZV)
+    _progress(f"elastic: job 4/4, {launcher} launcher on torchrun's c10d rendezvous")
+    c10d = short_job(warm, "c10d")
+    settings = {"launcher": launcher, "rdzv_backend": OURS_RDZV, **KILL_PLAN.settings()}
     runs = [
         {**goodput(job["metrics"], job["events"]), "job_wall_s": job["job_wall_s"]}
         for job in (ours, base)
@@ -347,6 +377,7 @@ def _elastic(work: str, mode: Mode) -> list[m.Metric]:
             samples,
             cold,
             plain_launcher=plain,
+            c10d=c10d,
             jobs="the memory-tier and the durable-only job of fault_cost_s",
             **settings,
         ),
@@ -372,9 +403,15 @@ def _silent(work: str, mode: Mode) -> list[m.Metric]:
     if mode.silent_runs == 0:
         return _not_full(("silent_node_loss",))
     silent = []
-    for _ in range(mode.silent_runs):
+    for i in range(mode.silent_runs):
+        _progress(f"silent node: job {i + 1}/{mode.silent_runs}, rdzv {OURS_RDZV}")
         out = silent_node_run(
-            work, SILENT_MAX_STEPS, SILENT_FREEZE_AFTER, ELASTIC_CKPT_EVERY, mode.timeout_s
+            work,
+            SILENT_MAX_STEPS,
+            SILENT_FREEZE_AFTER,
+            ELASTIC_CKPT_EVERY,
+            mode.timeout_s,
+            rdzv_backend=OURS_RDZV,
         )
         silent.append(silent_loss(out["metrics"], out["events"], out["logs"], out["frozen_at"]))
     return [
@@ -385,6 +422,7 @@ def _silent(work: str, mode: Mode) -> list[m.Metric]:
             freeze_after_step=SILENT_FREEZE_AFTER,
             checkpoint_every_steps=ELASTIC_CKPT_EVERY,
             settings="default trainer settings (run.peer_timeout_s=6, run.heartbeat_s=0.5)",
+            rdzv_backend=OURS_RDZV,
         )
     ]
 
@@ -401,6 +439,22 @@ def _rendezvous(mode: Mode) -> list[m.Metric]:
 
 def _progress(text: str) -> None:
     print(f"bench: {text}", file=sys.stderr, flush=True)
+
+
+def task_done_line(
+    i: int, n: int, group: str, what: str, took_s: float, elapsed_s: float, got: list[m.Metric]
+) -> str:
+    """The progress line printed when a task ends: its metrics as they landed (or that it
+    produced none), its own time and the run's elapsed time."""
+    values = ", ".join(
+        f"{x.name}={'NaN' if math.isnan(x.value) else f'{x.value:.3f}'}"
+        f" ({'ok' if x.ok else 'miss'}, {x.direction} {x.target:g})"
+        for x in got
+    )
+    return (
+        f"[{i}/{n}] {group}: {what} done in {took_s:.0f} s "
+        f"(elapsed {elapsed_s:.0f} s): {values or 'no metric (see above)'}"
+    )
 
 
 def tasks(work: str, mode: Mode) -> list[tuple[str, str, Callable[[], list[m.Metric]]]]:
@@ -442,10 +496,27 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     produced: list[m.Metric] = []
     errors: dict[str, list[str]] = {}
+    todo = [t for t in tasks(work, mode) if t[0] in selected]
+    _progress(
+        f"mode={mode.name}, {len(todo)} task(s) in group(s) {','.join(selected)}; work dir {work}"
+    )
     try:
-        for group, what, task in tasks(work, mode):
-            if group in selected:
-                produced += _guarded(what, task, errors.setdefault(group, []))
+        for i, (group, what, task) in enumerate(todo, 1):
+            _progress(f"[{i}/{len(todo)}] {group}: {what} ...")
+            t0 = time.monotonic()
+            got = _guarded(what, task, errors.setdefault(group, []))
+            produced += got
+            _progress(
+                task_done_line(
+                    i,
+                    len(todo),
+                    group,
+                    what,
+                    time.monotonic() - t0,
+                    time.monotonic() - started,
+                    got,
+                )
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results = m.complete(produced, lambda name: why_missing(name, selected, errors))

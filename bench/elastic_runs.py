@@ -103,6 +103,7 @@ def elastic_run(
     *,
     warm: bool = False,
     memory_every: int = 0,
+    rdzv_backend: str = "c10d",
 ) -> dict[str, Any]:
     """One 2-agent job whose agent 0's worker is killed before each of ``kill_steps``
     (:func:`fault_spec`); returns its rows, the events of every rank and the agent logs.
@@ -110,7 +111,8 @@ def elastic_run(
     Durable checkpoints (async) every ``ckpt_every`` steps; with ``memory_every`` > 0 the
     memory tier is on too (``checkpoint.memory_every``), each agent a node of its own
     (its own ``CKPT_MEMORY_DIR`` under /dev/shm, removed afterwards). ``warm``: launch
-    through :data:`WARM_MODULE` instead of the trainer itself.
+    through :data:`WARM_MODULE` instead of the trainer itself. ``rdzv_backend``: torchrun's
+    ``c10d`` or ours, ``ft`` (:mod:`elastic.rendezvous`).
     """
     from testing.local_cluster import ElasticJob
 
@@ -129,6 +131,7 @@ def elastic_run(
         module=module,
         max_restarts=len(kill_steps),
         env={"PYTHONPATH": worker_pythonpath()},
+        rdzv_backend=rdzv_backend,
     )
     t0 = time.monotonic()
     try:
@@ -147,6 +150,7 @@ def elastic_run(
             "job_wall_s": wall,
             "logs": logs,
             "launcher": "warmstart" if warm else "plain",
+            "rdzv_backend": rdzv_backend,
         }
     finally:
         job.close()
@@ -288,7 +292,13 @@ _RDZV_DONE = "Rendezvous complete for workers"
 
 
 def silent_node_run(
-    work: str, max_steps: int, freeze_after_step: int, ckpt_every: int, timeout_s: float
+    work: str,
+    max_steps: int,
+    freeze_after_step: int,
+    ckpt_every: int,
+    timeout_s: float,
+    *,
+    rdzv_backend: str = "c10d",
 ) -> dict[str, Any]:
     """One 3-agent job (default trainer settings, the peer failure detector included) whose
     non-rank-0 node is frozen (SIGSTOP of its agent and worker) after ``freeze_after_step``.
@@ -306,6 +316,7 @@ def silent_node_run(
         os.path.join(work, f"silent_{time.monotonic_ns()}"),
         trainer_args=args,
         env={"PYTHONPATH": REPO, "LOGLEVEL": "INFO"},
+        rdzv_backend=rdzv_backend,
     )
     try:
         agents = [job.add_agent() for _ in range(SILENT_AGENTS)]

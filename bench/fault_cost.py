@@ -71,7 +71,13 @@ class KillPlan:
 
 
 def fault_cost_run(
-    work: str, plan: KillPlan, timeout_s: float, *, memory: bool, warm: bool
+    work: str,
+    plan: KillPlan,
+    timeout_s: float,
+    *,
+    memory: bool,
+    warm: bool,
+    rdzv_backend: str = "c10d",
 ) -> dict[str, Any]:
     """One job of ``plan`` (memory tier on or off); :func:`elastic_run`'s result plus
     ``cost`` (:func:`fault_cost`) and ``tiers``."""
@@ -83,6 +89,7 @@ def fault_cost_run(
         timeout_s,
         warm=warm,
         memory_every=plan.memory_every if memory else 0,
+        rdzv_backend=rdzv_backend,
     )
     out["cost"] = fault_cost(out["metrics"], out["events"], out["logs"], kills=len(plan.kill_steps))
     out["tiers"] = "memory + durable" if memory else "durable only"

@@ -394,14 +394,17 @@ def restart_metric(
     cold_s: list[float],
     *,
     plain_launcher: list[dict[str, float]] | str | None = None,
+    c10d: list[dict[str, float]] | str | None = None,
     **extra: Any,
 ) -> Metric:
     """restart_overhead: median (last row before a kill -> first row after, minus the load)
     over the restarts of ``samples`` / the median cold ``import torch`` + gloo init.
 
     ``plain_launcher``: the restarts of a job through the trainer itself when ``samples``
-    came through the warm launcher (its ratio against the same cold inits goes into
-    ``detail.plain_launcher``), or why there is none (a string).
+    came through the warm launcher; ``c10d``: the restarts of a job on torchrun's c10d
+    rendezvous when ``samples`` ran on ours. Each one's ratio against the same cold
+    inits goes into ``detail.<name>`` (and ``detail.<name>_value``), or why there is
+    none (a string).
     """
     overhead = _median([s["overhead_s"] for s in samples])
     cold = _median(cold_s)
@@ -415,20 +418,20 @@ def restart_metric(
         ],
         **extra,
     }
-    if isinstance(plain_launcher, str):
-        detail["plain_launcher"] = plain_launcher
-    elif plain_launcher is not None:
-        plain = _median([s["overhead_s"] for s in plain_launcher])
-        detail["plain_launcher_value"] = _r(plain / cold)
-        detail["plain_launcher"] = {
-            "value": _r(plain / cold),
-            "ours_median_s": _r(plain),
-            **_restart_breakdown(plain_launcher),
-            "restarts": [
-                {k: _r(v) if isinstance(v, float) else v for k, v in s.items()}
-                for s in plain_launcher
-            ],
-        }
+    for name, side in (("plain_launcher", plain_launcher), ("c10d", c10d)):
+        if isinstance(side, str):
+            detail[name] = side
+        elif side is not None:
+            median = _median([s["overhead_s"] for s in side])
+            detail[f"{name}_value"] = _r(median / cold)
+            detail[name] = {
+                "value": _r(median / cold),
+                "ours_median_s": _r(median),
+                **_restart_breakdown(side),
+                "restarts": [
+                    {k: _r(v) if isinstance(v, float) else v for k, v in s.items()} for s in side
+                ],
+            }
     return Metric(name="restart_overhead", value=overhead / cold, detail=detail)
 
 

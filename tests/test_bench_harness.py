@@ -307,8 +307,11 @@ class _FakeJob:
 
     made: list[_FakeJob] = []
 
-    def __init__(self, workdir, trainer_args, module="trainer", max_restarts=3, env=None):
+    def __init__(
+        self, workdir, trainer_args, module="trainer", max_restarts=3, env=None, rdzv_backend="c10d"
+    ):
         self.workdir, self.trainer_args, self.module = workdir, trainer_args, module
+        self.rdzv_backend = rdzv_backend
         self.max_restarts, self.env = max_restarts, env or {}
         self.agent_env: list[dict] = []
         self.agents: list = []
@@ -364,9 +367,12 @@ def test_elastic_run_launches_warm_or_plain_with_the_memory_tier_per_node(
     assert len(set(dirs)) == 2  # each agent a node of its own
     assert not any(os.path.exists(d) for d in dirs)  # removed after the job
 
+    assert job.rdzv_backend == "c10d" and out["rdzv_backend"] == "c10d"
+
     _FakeJob.made.clear()
-    elastic_run(str(tmp_path), 50, [12], 10, 60)
+    out = elastic_run(str(tmp_path), 50, [12], 10, 60, rdzv_backend="ft")
     assert not any("memory_every" in a for a in _FakeJob.made[0].trainer_args)
+    assert _FakeJob.made[0].rdzv_backend == "ft" and out["rdzv_backend"] == "ft"
 
 
 def test_kill_plan_spreads_the_kills_over_the_durable_interval():
@@ -522,6 +528,45 @@ def test_restart_metric_reports_the_plain_launcher_beside_the_warm_one():
     failed = m.restart_metric(warm, [2.0], plain_launcher="failed: boom")
     assert failed.detail["plain_launcher"] == "failed: boom"
     assert "plain_launcher" not in m.restart_metric(warm, [2.0]).detail
+
+
+def test_restart_metric_reports_c10d_beside_our_rendezvous():
+    ours = [{"overhead_s": 2.0, "load_s": 0.1}, {"overhead_s": 2.0, "load_s": 0.1}]
+    c10d = [{"overhead_s": 5.0, "detect_s": 0.1}, {"overhead_s": 7.0, "detect_s": 0.3}]
+    metric = m.restart_metric(ours, [2.0], c10d=c10d, rdzv_backend="ft")
+    assert metric.value == pytest.approx(1.0)
+    assert metric.detail["rdzv_backend"] == "ft"
+    assert metric.detail["c10d_value"] == 3.0
+    assert metric.detail["c10d"]["ours_median_s"] == 6.0
+    assert metric.detail["c10d"]["median_detect_s"] == 0.2
+    assert "plain_launcher" not in metric.detail
+    assert m.restart_metric(ours, [2.0], c10d="failed: x").detail["c10d"] == "failed: x"
+
+
+def test_progress_line_names_the_task_its_time_and_each_metric_as_it_landed():
+    from bench.__main__ import task_done_line
+
+    got = [m.Metric(name="save_vs_dcp", value=0.7), m.missing("save_memory", "boom")]
+    line = task_done_line(2, 5, "save", "save rounds", 12.3, 40.0, got)
+    assert line.startswith("[2/5] save: save rounds done in 12 s (elapsed 40 s)")
+    assert "save_vs_dcp=0.700 (ok, <= 1)" in line
+    assert "save_memory=NaN (miss, <= 0.5)" in line
+    assert "no metric" in task_done_line(1, 1, "gcs", "gcs", 1.0, 1.0, [])
+
+
+@pytest.mark.timeout(300)
+def test_quick_run_prints_progress_per_task(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "rendezvous", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    err = result.stderr
+    assert "[1/1] rendezvous: rendezvous simulation ..." in err
+    assert "[1/1] rendezvous: rendezvous simulation done in" in err
+    assert "rendezvous_vs_c10d=" in err.split("done in", 1)[1]
 
 
 @pytest.mark.timeout(30)
