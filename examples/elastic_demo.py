@@ -5,7 +5,8 @@
 What happens (1 to 2 minutes on 2 CPU cores):
 
 1. two torchrun agents (``--nnodes=2:4 --nproc_per_node=1 --max_restarts=3``) start
-   the tiny GPT on a shared c10d rendezvous (its store runs in its own process),
+   the tiny GPT on one rendezvous (``--rdzv_backend=ft``, this project's backend for
+   stock torchrun; ``--rdzv-backend c10d``: torchrun's own; the store runs in its own process),
    through the warm-start launcher (``-m warmstart -m trainer``: restarts are forked
    from a per-node interpreter that already imported torch; ``--plain``: ``-m trainer``);
 2. a worker is SIGKILLed (fault ``kill:step=24:rank=1`` for 120 steps): torchrun restarts the
@@ -51,6 +52,13 @@ def main() -> int:
         help="start workers as `-m trainer` (every restart imports torch again) "
         "instead of `-m warmstart -m trainer`",
     )
+    parser.add_argument(
+        "--rdzv-backend",
+        choices=("ft", "c10d"),
+        default="ft",
+        help="torchrun's --rdzv_backend: ft (this project's, sub-second rounds; default) "
+        "or c10d (torchrun's own, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set for it)",
+    )
     args = parser.parse_args()
 
     kill_at, join_after = max(3, args.steps // 5), max(5, args.steps // 5 + 10)
@@ -72,10 +80,11 @@ def main() -> int:
         ],
         env={"TRAINER_FAULTS": f"kill:step={kill_at}:rank=1"},
         rdzv_id=os.path.basename(args.workdir.rstrip("/")),
+        rdzv_backend=args.rdzv_backend,
     )
     deadline = time.monotonic() + args.timeout
     with job:
-        print(f"demo: work dir {args.workdir}")
+        print(f"demo: work dir {args.workdir}, rendezvous backend {args.rdzv_backend}")
         print(
             f"demo: starting 2 agents; rank 1 will be SIGKILLed at step {kill_at}, "
             f"a third agent joins after step {join_after}"

@@ -11,14 +11,20 @@
 # Nodes may start in any order and at different times: the first 2 form the job,
 # later ones (up to 4) join it at the next rendezvous round (the running group is
 # restarted from the newest committed checkpoint with the larger world size). A node
-# that dies is dropped after about keep_alive_interval x keep_alive_max_attempt
-# seconds and the others continue from the last checkpoint. Details, measured
+# that dies is dropped once its rendezvous keep-alives stop (1.5 s with the default
+# backend, ft) and the others continue from the last checkpoint. Details, measured
 # recovery times and the reasons for each setting: docs/launching.md. Run as written on 3
 # hosts (network namespaces with their own address and hostname, RDZV_HOST = the first
 # host's name) by tests/e2e/test_slurm_e2e.py::test_multinode_sh_trains_on_three_namespace_hosts.
 #
-# Two ways to host the rendezvous store (the c10d TCP store torchrun uses to agree
-# on membership):
+# Rendezvous backend (RDZV_BACKEND): ft by default, this project's handler for stock
+# torchrun (elastic/rendezvous.py; registered when the project is pip-installed):
+# sub-second rounds, a re-round done as soon as every live node is back, and workers
+# that never share the agent's store, so no environment variable is needed.
+# RDZV_BACKEND=c10d uses torchrun's own, with the settings below.
+#
+# Two ways to host the rendezvous store (the TCP store the agents use to agree on
+# membership):
 #
 #   1. default: the torchrun agent on RDZV_HOST hosts it (torchrun decides this by
 #      matching RDZV_HOST against the machine's own hostname/addresses). Simple, but
@@ -33,6 +39,7 @@
 #      tests and examples/elastic_demo.py) runs its multi-agent jobs.
 #
 # Settings (all measured on this project with torch 2.13, see docs/launching.md):
+#   with RDZV_BACKEND=c10d only:
 #   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   required: otherwise workers of a restarted
 #       group reuse the rank-0 agent's TCP store and can read stale peer addresses
 #       (gloo "Connection refused" in 3 of 5 worker-kill runs; a scale-up hung;
@@ -44,6 +51,7 @@
 #       land about 2 s apart with interval 1, so with 1 x 2 a joining node can judge
 #       live nodes dead and start a new round alone; scale-up then never happens
 #       (seen here with torch 2.13; 1 x 5 joined within 2 s).
+#   with either backend:
 #   --shutdown-timeout / TRAINER_PREEMPTION_GRACE_S   the SIGTERM -> SIGKILL grace
 #       when the agent itself is signalled (preemption, drain). The workers cannot
 #       see the torchrun flag, so the trainer reads TRAINER_PREEMPTION_GRACE_S, then
@@ -68,6 +76,7 @@ shift  # anything after the mode is passed on to the trainer, e.g. --max-steps 1
 
 RDZV_HOST="${RDZV_HOST:?set RDZV_HOST to the rendezvous host (first node or the store machine)}"
 RDZV_PORT="${RDZV_PORT:-29500}"
+RDZV_BACKEND="${RDZV_BACKEND:-ft}"
 
 if [[ "$MODE" == store ]]; then
     # Standalone rendezvous store: one process, nothing but a TCPStore server.
@@ -92,14 +101,21 @@ NPROC="${NPROC:-1}"                       # processes per node (usually GPUs per
 CONFIG="${CONFIG:-examples/tiny_gpt.toml}"
 GRACE_S="${GRACE_S:-60}"                  # SIGTERM -> SIGKILL budget on preemption (whole seconds)
 
-RDZV_CONF="last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
+if [[ "$RDZV_BACKEND" == c10d ]]; then
+    RDZV_CONF="last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
+    # Every agent, every launch: do not share the rendezvous TCP store with the workers.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+elif [[ "$RDZV_BACKEND" == ft ]]; then
+    RDZV_CONF="join_timeout=600"  # its other settings are sub-second by default
+else
+    echo "RDZV_BACKEND must be ft or c10d, not '${RDZV_BACKEND}'" >&2
+    exit 2
+fi
 if [[ "${STANDALONE_STORE:-0}" == 1 ]]; then
     # No agent hosts the store; all of them connect to `multinode.sh store`.
     RDZV_CONF="is_host=0,${RDZV_CONF}"
 fi
 
-# Every agent, every launch: do not share the rendezvous TCP store with the workers.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # The trainer's emergency-save budget: the same number as --shutdown-timeout below.
 export TRAINER_PREEMPTION_GRACE_S="$GRACE_S"
 # Storage: a bounded time per call and bounded retries (defaults shown).
@@ -123,7 +139,7 @@ exec torchrun \
     --nnodes=2:4 \
     --nproc_per_node="$NPROC" \
     --max_restarts=3 \
-    --rdzv_backend=c10d \
+    --rdzv_backend="$RDZV_BACKEND" \
     --rdzv_endpoint="${RDZV_HOST}:${RDZV_PORT}" \
     --rdzv_id="$JOB" \
     --rdzv_conf="$RDZV_CONF" \

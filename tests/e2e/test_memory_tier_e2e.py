@@ -40,7 +40,7 @@ import ckpt
 from ckpt.checksum import crc32c_of
 from ckpt.layout import shard_filename
 from ckpt.memory.layout import read_commit
-from testing.local_cluster import REPO, ElasticJob
+from testing.local_cluster import BACKENDS, REPO, ElasticJob
 from testing.ports import free_port
 from testing.procs import RunTimeoutError, run_bounded
 
@@ -281,8 +281,9 @@ def _replica_verified(node_dir: str, step: int, rank: int) -> bool:
     return False
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_lost_node_resumes_from_the_replica_on_the_survivor_at_world_size_1(
-    job_factory, node_memory_dirs
+    job_factory, node_memory_dirs, backend
 ):
     # The uninterrupted reference runs at the same time (the loss is timed by the hang
     # below, not by the clock), to keep the scenario near a minute on two cores.
@@ -300,6 +301,7 @@ def test_a_lost_node_resumes_from_the_replica_on_the_survivor_at_world_size_1(
         nnodes="1:2",
         rdzv_id="mt-lost",
         env={"TRAINER_FAULTS": f"hang:step={LOST_AFTER + 1}:rank=1"},
+        rdzv_backend=backend,
     )
     memory_of = {}  # agent name -> its node's memory dir
     for node_dir in node_memory_dirs:

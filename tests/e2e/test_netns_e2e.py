@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 import ckpt
-from testing.local_cluster import Agent, ElasticJob
+from testing.local_cluster import BACKENDS, Agent, ElasticJob
 from testing.netns import IFNAME, Host, VirtualNetwork, netns_unavailable
 
 pytestmark = [pytest.mark.e2e]
@@ -73,13 +73,24 @@ def jobs(tmp_path) -> Iterator[list[ElasticJob]]:
 class Cluster:
     """A job whose store and agents each run on a host of ``net``."""
 
-    def __init__(self, net: VirtualNetwork, workdir: str, made: list[ElasticJob], steps: int):
+    def __init__(
+        self,
+        net: VirtualNetwork,
+        workdir: str,
+        made: list[ElasticJob],
+        steps: int,
+        rdzv_backend: str = "c10d",
+    ):
         self.net = net
         store = net.add_host("store")
         args = list(TRAINER_ARGS)
         args[args.index(str(STEPS))] = str(steps)
         self.job = ElasticJob(
-            workdir=workdir, trainer_args=args, store_host=store.addr, store_wrap=store.wrap
+            workdir=workdir,
+            trainer_args=args,
+            store_host=store.addr,
+            store_wrap=store.wrap,
+            rdzv_backend=rdzv_backend,
         )
         self.job.env["LOGLEVEL"] = "INFO"  # torchrun's rendezvous steps in the agent logs
         made.append(self.job)
@@ -194,10 +205,11 @@ def assert_blamed(found: list[dict], host: Host) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_frozen_node_is_left_behind(network, jobs, tmp_path, record_property):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_frozen_node_is_left_behind(network, jobs, tmp_path, record_property, backend):
     """(a) SIGSTOP of a node's agent and worker: the survivors leave within the bound and
-    continue at world size 2."""
-    cluster = Cluster(network, str(tmp_path / "frozen"), jobs, STEPS)
+    continue at world size 2 (on torchrun's c10d rendezvous and on ours, ft)."""
+    cluster = Cluster(network, str(tmp_path / "frozen"), jobs, STEPS, backend)
     job = cluster.job
     agents, victim = cluster.three_nodes_and_victim(rank0=False)
     frozen_at = time.time()
@@ -219,11 +231,13 @@ def test_a_frozen_node_is_left_behind(network, jobs, tmp_path, record_property):
 
 
 @pytest.mark.timeout(180)
-def test_a_cut_link_is_left_behind(network, jobs, tmp_path, record_property):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cut_link_is_left_behind(network, jobs, tmp_path, record_property, backend):
     """(b) A node's cable pulled at the switch (bridge port down): no reset reaches anyone.
     The survivors see its heartbeats stop; the node sees the store stop answering and
-    leaves on its own. The job finishes at world size 2; the link stays cut."""
-    cluster = Cluster(network, str(tmp_path / "cut"), jobs, STEPS)
+    leaves on its own. The job finishes at world size 2; the link stays cut (on both
+    rendezvous backends)."""
+    cluster = Cluster(network, str(tmp_path / "cut"), jobs, STEPS, backend)
     job = cluster.job
     agents, victim = cluster.three_nodes_and_victim(rank0=False)
     stale_pids, cut_at, row = cluster.cut_until_world_2(victim)

@@ -22,7 +22,7 @@ from test_elastic_e2e import (
     run_two_agents,
 )
 
-from testing.local_cluster import ElasticJob
+from testing.local_cluster import BACKENDS, ElasticJob
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -62,11 +62,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_warm_restarts_match_an_uninterrupted_plain_run(jobs):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_warm_restarts_match_an_uninterrupted_plain_run(jobs, backend):
     reference = jobs("reference", warm=False)
     run_two_agents(reference, 150)
 
-    job = jobs("warm")
+    job = jobs("warm", rdzv_backend=backend)
     # Two restarts: the second one is warm on both nodes whatever the zygotes' start took.
     job.env["TRAINER_FAULTS"] = "kill:step=9:rank=1:attempt=0;kill:step=17:rank=0:attempt=1"
     run_two_agents(job, 200)
