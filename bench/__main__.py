@@ -113,6 +113,8 @@ PLAIN_MAX_STEPS = 65
 """The shorter jobs beside the fault_cost_s ones (restart_overhead's detail only): the
 trainer itself when the warm launcher is used, and the launcher on c10d."""
 ELASTIC_CKPT_EVERY = 10
+RDZV_SIM_TIMEOUT_S = 240.0
+"""Bound of one rendezvous simulation (one backend, one N: its three rounds)."""
 OURS_RDZV = "ft"
 """The rendezvous backend of the elastic and silent-node jobs (elastic/rendezvous.py);
 restart_overhead's detail has the same kill on torchrun's c10d beside it."""
@@ -428,12 +430,29 @@ def _silent(work: str, mode: Mode) -> list[m.Metric]:
 
 
 def _rendezvous(mode: Mode) -> list[m.Metric]:
-    """rendezvous_vs_c10d: handler-only agents against one store, c10d and ft side by side."""
-    rows = []
+    """rendezvous_vs_c10d: handler-only agents against one store, c10d and ft side by side.
+
+    A simulation that fails or does not finish within ``RDZV_SIM_TIMEOUT_S`` is a row with
+    an ``error``; a backend that failed at some N is not run at larger N (a skipped row)."""
+    rows: list[dict[str, Any]] = []
+    failed: dict[str, int] = {}
     for n in mode.rendezvous_n:
         for backend in rdzv.BACKENDS:
+            if backend in failed:
+                rows.append(
+                    {"backend": backend, "n": n, "error": f"skipped: failed at N={failed[backend]}"}
+                )
+                continue
             _progress(f"rendezvous: {backend} N={n}")
-            rows.append(rdzv.simulate(backend, n, timeout_s=mode.timeout_s))
+            t0 = time.monotonic()
+            try:
+                row = rdzv.simulate(backend, n, timeout_s=min(mode.timeout_s, RDZV_SIM_TIMEOUT_S))
+            except Exception as exc:
+                failed[backend] = n
+                row = {"backend": backend, "n": n, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            row["wall_s"] = round(time.monotonic() - t0, 1)
+            _progress(f"rendezvous: {backend} N={n}: {rdzv.describe(row)}")
+            rows.append(row)
     return [m.rendezvous_metric(rows)]
 
 

@@ -518,13 +518,26 @@ def memory_metrics(raw: dict[str, dict[str, Any]]) -> list[Metric]:
 
 def rendezvous_metric(rows: list[dict[str, Any]]) -> Metric:
     """rendezvous_vs_c10d: the ``ft`` backend's re-round over c10d's, at the largest N
-    simulated (bench/rendezvous.py); every phase of every N in ``detail``."""
-    largest = max(r["n"] for r in rows)
-    by = {r["backend"]: r for r in rows if r["n"] == largest}
-    detail: dict[str, Any] = {"n": largest, "phase": "reround_s"}
+    where both were measured (bench/rendezvous.py); every phase of every N in ``detail``.
+
+    Rows with an ``error`` (a simulation that failed or timed out) are kept in the detail
+    and named in ``detail.not_measured``; none measured on both sides gives NaN."""
+    measured = {(r["backend"], r["n"]) for r in rows if "error" not in r}
+    both = [n for n in {r["n"] for r in rows} if ("ft", n) in measured and ("c10d", n) in measured]
+    detail: dict[str, Any] = {"phase": "reround_s"}
     detail["rows"] = [
         {k: (_r(v) if isinstance(v, float) else v) for k, v in r.items()} for r in rows
     ]
+    failed = [f"{r['backend']} N={r['n']}: {r['error']}" for r in rows if "error" in r]
+    if failed:
+        detail["not_measured"] = failed
+    if not both:
+        detail["status"] = "no N measured on both backends"
+        return Metric(name="rendezvous_vs_c10d", value=math.nan, detail=detail)
+    largest = max(both)
+    detail["n"] = largest
+    detail["largest_n_simulated"] = max(r["n"] for r in rows)
+    by = {r["backend"]: r for r in rows if r["n"] == largest and "error" not in r}
     return Metric(
         name="rendezvous_vs_c10d",
         value=_r(by["ft"]["reround_s"] / by["c10d"]["reround_s"]),

@@ -131,6 +131,13 @@ def _collect(results, phase: str, count: int, deadline: float) -> list[tuple[int
     return rows
 
 
+def describe(row: dict[str, Any]) -> str:
+    """One line for a row of :func:`simulate` (or a failed one: its ``error``)."""
+    if "error" in row:
+        return f"not measured ({row['error']})"
+    return ", ".join(f"{p}={row[p]:.3f}" for p in PHASES)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=list(QUICK_N))
@@ -143,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             row = simulate(backend, n)
             rows.append(row)
-            shown = ", ".join(f"{p}={row[p]:.3f}" for p in PHASES)
-            print(f"{backend:5s} N={n:4d}: {shown} ({time.monotonic() - t0:.1f} s)", flush=True)
+            print(
+                f"{backend:5s} N={n:4d}: {describe(row)} ({time.monotonic() - t0:.1f} s)",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -543,6 +543,28 @@ def test_restart_metric_reports_c10d_beside_our_rendezvous():
     assert m.restart_metric(ours, [2.0], c10d="failed: x").detail["c10d"] == "failed: x"
 
 
+def test_rendezvous_metric_uses_the_largest_n_measured_on_both_backends():
+    def row(backend, n, reround):
+        return {"backend": backend, "n": n, "first_round_s": 1.0, "reround_s": reround}
+
+    rows = [
+        row("c10d", 8, 3.0),
+        row("ft", 8, 0.06),
+        row("c10d", 32, 6.0),
+        row("ft", 32, 0.3),
+        {"backend": "c10d", "n": 128, "error": "TimeoutError: first_round_s: 90 of 128"},
+        row("ft", 128, 0.5),
+    ]
+    metric = m.rendezvous_metric(rows)
+    assert metric.value == pytest.approx(0.05)
+    assert metric.detail["n"] == 32 and metric.detail["largest_n_simulated"] == 128
+    assert metric.detail["not_measured"] == ["c10d N=128: TimeoutError: first_round_s: 90 of 128"]
+    assert metric.ok
+    none = m.rendezvous_metric([rows[4], rows[5]])
+    assert math.isnan(none.value) and not none.ok
+    assert none.detail["status"] == "no N measured on both backends"
+
+
 def test_progress_line_names_the_task_its_time_and_each_metric_as_it_landed():
     from bench.__main__ import task_done_line
 
