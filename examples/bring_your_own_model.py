@@ -17,9 +17,12 @@ What that buys:
 
 Run it on 2 CPU ranks, kill rank 1 at step 9, and let torchrun restart the group::
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 \\
+    torchrun --rdzv_backend=ft --rdzv_endpoint=127.0.0.1:0 --nnodes=1 --nproc_per_node=2 \\
         --max_restarts=1 examples/bring_your_own_model.py \\
         --ckpt-dir runs/byom/ckpt --run-dir runs/byom/run --fault kill:step=9:rank=1
+
+(``--rdzv_backend=ft``: this project's rendezvous backend, registered at install; with
+torchrun's ``--standalone`` instead, set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.)
 
 or as one plain process (a 1-rank gloo group): ``python examples/bring_your_own_model.py
 --ckpt-dir ... --run-dir ...``. ``python -m trainer report runs/byom/run`` summarizes a run.
@@ -111,8 +114,9 @@ def build_model(seed: int, device: torch.device) -> nn.Module:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Train a small MLP with FSDP2, fault-tolerant through the public ckpt and "
-        "elastic API. Launch with torchrun (any --nproc_per_node dividing --global-batch; set "
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 when torchrun may restart the group) or as one "
+        "elastic API. Launch with torchrun (any --nproc_per_node dividing --global-batch; "
+        "--rdzv_backend=ft, or with c10d/--standalone set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+        "when torchrun may restart the group) or as one "
         "plain process. Run again with the same --ckpt-dir to resume, on any world size; keep "
         "--global-batch, --seed and the LR schedule flags the same across relaunches.",
         epilog="Outputs: RUN_DIR/metrics.jsonl (one row per step), RUN_DIR/events*.jsonl. Exit "

@@ -33,15 +33,30 @@ DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR
             "TORCHELASTIC_RESTART_COUNT", "TRAINER_FAULTS")  # fmt: skip
 
 
+FT_SINGLE_NODE = ("--rdzv_backend=ft", "--rdzv_endpoint=127.0.0.1:0", "--nnodes=1")
+"""README's single-node launch on this project's rendezvous backend (no variable needed)."""
+
+
 def launch(
-    nproc: int, ckpt_dir: str, run_dir: str, *args: str, max_restarts: int = 0
+    nproc: int,
+    ckpt_dir: str,
+    run_dir: str,
+    *args: str,
+    max_restarts: int = 0,
+    rdzv: tuple[str, ...] = ("--standalone",),
 ) -> subprocess.CompletedProcess:
-    """Run the example on ``nproc`` ranks under torchrun (``nproc=0``: one plain process)."""
+    """Run the example on ``nproc`` ranks under torchrun (``nproc=0``: one plain process).
+
+    ``rdzv``: torchrun's rendezvous flags; ``--standalone`` (c10d) runs with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 as the README asks, any other without it."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if rdzv == ("--standalone",):
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cmd = [sys.executable]
     if nproc:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        cmd += ["-m", "torch.distributed.run", *rdzv, f"--nproc_per_node={nproc}",
                 f"--max_restarts={max_restarts}", "--monitor_interval=0.5"]  # fmt: skip
     cmd += [SCRIPT, "--ckpt-dir", ckpt_dir, "--run-dir", run_dir, *args]
     try:
@@ -114,6 +129,22 @@ def test_killed_rank_restarts_and_matches_uninterrupted_run(base, killed):
     assert resumes[0]["rng_restored"] is True
     faults = read_jsonl(os.path.join(killed["run_dir"], "events.rank1.jsonl"))
     assert [e["spec"] for e in faults if e["event"] == "fault"] == ["kill:step=9:rank=1:attempt=0"]
+
+
+@pytest.mark.timeout(300)
+def test_single_node_on_the_ft_backend_restarts_without_the_store_variable(root, base):
+    """README's single-node launch with --rdzv_backend=ft and no
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE: rank 1 killed at step 9, the group restarts and
+    matches the uninterrupted run, and nothing warns about the variable."""
+    ckpt_dir, run_dir = str(root / "ft_ckpt"), str(root / "ft_run")
+    args = ["--max-steps", str(STEPS), "--ckpt-every", "4", "--fault", "kill:step=9:rank=1"]
+    result = launch_ok(2, ckpt_dir, run_dir, *args, max_restarts=1, rdzv=FT_SINGLE_NODE)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in result.stdout, result.stdout[-3000:]
+    rows = metrics(run_dir)
+    got = last_row_per_step(rows)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s]["loss"] for s in got] == [base[s]["loss"] for s in got]
+    assert [got[s]["restart_count"] for s in range(9, STEPS + 1)] == [1] * 4
 
 
 @pytest.mark.timeout(300)
