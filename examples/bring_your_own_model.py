@@ -148,6 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cosine decay steps after the warmup (default 100); not tied to --max-steps, so "
         "a finished run can be extended by running it again with a larger --max-steps")  # fmt: skip
     add("--seed", type=int, default=0, help="model init, data order and RNG seed (default 0)")
+    add("--num-workers", type=int, default=0,
+        help="DataLoader worker processes (default 0: batches built in the training process)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -201,7 +203,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     guard = elastic.RunGuard(saver=manager, faults=args.fault, on_event=log.event)
     with log, manager, guard:
         start = manager.resume() or 0  # newest committed checkpoint, resharded to this world
-        batches = iter(sampler.loader(dataset))  # from the restored data cursor
+        batches = iter(sampler.loader(dataset, num_workers=args.num_workers))  # from the cursor
         for step in guard.steps(start, args.max_steps):  # faults; SIGTERM: save, exit 143
             # [ft] End of part 1. Part 2: the lines marked [ft] below and in train_step.
             started = time.perf_counter()
