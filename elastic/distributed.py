@@ -12,13 +12,25 @@ same code path (FSDP2, DCP, collectives) runs in one process. The backend is ``n
 when CUDA is available, else ``gloo``; the device is ``cuda:LOCAL_RANK`` (modulo the
 visible devices) or the CPU. The timeout bounds every collective on the default
 group: a dead peer becomes an error instead of a stall.
+
+Forked children (``DataLoader`` workers, ``fork`` multiprocessing) let go of the
+parent's TCP sockets as they start (:func:`release_inherited_sockets`, registered once
+per process by :func:`init_distributed`). Without it a killed rank's loader workers keep
+its gloo connections open until they notice their parent is gone (up to
+``MP_STATUS_CHECK_INTERVAL``, 5 s), so its peers learn of the death that much later and
+torchrun waits for them: measured here, a worker kill with ``DataLoader(num_workers=2)``
+kept the surviving rank in its all_reduce 6.5 s after torchrun's SIGTERM (0.03 s with
+the release; 0.06 s without loader workers).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
+import os
 import socket
+import stat
 import time
 from dataclasses import dataclass, field
 
@@ -65,6 +77,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def release_inherited_sockets() -> int:
+    """In a child forked from a training process: drop its references to the parent's
+    TCP sockets (gloo connections, TCPStore clients and servers); returns how many.
+
+    Each such descriptor is replaced by ``/dev/null`` (``dup2``): the number stays
+    taken, so a stale Python socket object closing it later cannot close a file the
+    child opened since, and the connection now belongs to the parent alone: when the
+    parent dies its peers see the connection reset at once. Unix-domain sockets (the
+    descriptor passing of ``torch.multiprocessing``) and pipes are left alone.
+    """
+    released = 0
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd <= 2 or fd == devnull:
+                continue
+            try:
+                if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                    continue
+                probe = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            with probe:
+                inet = probe.family in (socket.AF_INET, socket.AF_INET6)
+            if inet:
+                os.dup2(devnull, fd)
+                released += 1
+    finally:
+        os.close(devnull)
+    return released
+
+
+def _release_in_child() -> None:
+    try:
+        release_inherited_sockets()
+    except Exception:  # a fork hook must never break the child
+        pass
+
+
+@functools.cache
+def _register_fork_hook() -> None:
+    """Once per process: forked children release the parent's TCP sockets."""
+    os.register_at_fork(after_in_child=_release_in_child)
+
+
 def init_distributed(
     identity: RunIdentity | None = None,
     *,
@@ -73,6 +131,9 @@ def init_distributed(
 ) -> DistContext:
     """Initialize the default process group (every rank, once, first), pick the device and
     compute the run context (collective: the job-wide restart count).
+
+    From then on, children this process forks release its TCP sockets as they start
+    (:func:`release_inherited_sockets`; see the module docstring for why).
 
     ``identity`` defaults to :meth:`RunIdentity.from_env` (a malformed torchrun variable
     raises ``ValueError`` naming it). An already initialized group is kept. Raises
@@ -98,6 +159,7 @@ def init_distributed(
                 f"WORLD_SIZE={identity.world_size} but MASTER_ADDR is not set; "
                 "launch with torchrun or set MASTER_ADDR and MASTER_PORT"
             )
+    _register_fork_hook()
     rank, world = dist.get_rank(), dist.get_world_size()
     if use_cuda and backend == "nccl":
         device = torch.device("cuda", identity.local_rank % torch.cuda.device_count())

@@ -95,3 +95,69 @@ def test_the_guard_closes_its_saver_first_so_the_with_order_does_not_matter(rais
             raise RuntimeError("boom")
     assert saver.calls == ["close guarded=True"]
     assert guard.preemption is None  # torn down after the close
+
+
+_COUNT_INET = (
+    "def inet_fds():\n"
+    "    n = 0\n"
+    "    for name in os.listdir('/proc/self/fd'):\n"
+    "        fd = int(name)\n"
+    "        try:\n"
+    "            if not stat.S_ISSOCK(os.fstat(fd).st_mode):\n"
+    "                continue\n"
+    "            with socket.socket(fileno=os.dup(fd)) as s:\n"
+    "                n += s.family in (socket.AF_INET, socket.AF_INET6)\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "    return n\n"
+)
+
+
+@pytest.mark.timeout(90)
+def test_forked_children_let_go_of_the_groups_tcp_sockets_and_the_group_still_works() -> None:
+    # A killed rank's DataLoader workers (forked after the group exists) kept its gloo
+    # connections open until they noticed their parent was gone (~5 s), so the peers
+    # waited that long in their collective. A child forked after init_distributed holds
+    # none of the parent's TCP sockets; the parent's group is untouched.
+    code = (
+        "import json, os, socket, stat, torch, elastic, torch.distributed as dist\n"
+        + _COUNT_INET
+        + "elastic.init_distributed(timeout_s=30)\n"
+        "before = inet_fds()\n"
+        "r, w = os.pipe()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.write(w, str(inet_fds()).encode()); os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "child = int(os.read(r, 64))\n"
+        "t = torch.ones(3); dist.all_reduce(t)\n"
+        "out = [before, child, inet_fds(), t.tolist()]\n"
+        "elastic.close_distributed()\n"
+        "print(json.dumps(out))\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    before, child, after, reduced = json.loads(result.stdout)
+    assert before > 0  # the group's store and gloo sockets: the check can see them
+    assert child == 0
+    assert after == before and reduced == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.timeout(60)
+def test_release_inherited_sockets_keeps_unix_sockets_and_the_descriptor_numbers() -> None:
+    code = (
+        "import json, os, socket, stat\n"
+        "from elastic.distributed import release_inherited_sockets\n"
+        + _COUNT_INET
+        + "srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen()\n"
+        "a, b = socket.socketpair()\n"
+        "n = release_inherited_sockets()\n"
+        "a.send(b'x')\n"
+        "out = [n, inet_fds(), b.recv(1).decode(), stat.S_ISCHR(os.fstat(srv.fileno()).st_mode)]\n"
+        "print(json.dumps(out))\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    # The TCP listener became /dev/null (a character device) under the same number; the
+    # Unix socket pair still works.
+    assert json.loads(result.stdout) == [1, 0, "x", True]
