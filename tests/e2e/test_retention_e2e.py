@@ -92,6 +92,7 @@ PRUNE = textwrap.dedent(
     """
     import os, signal, sys
     import ckpt
+    from ckpt.retention import apply_retention
     from ckpt.storage import Storage
 
     root, kill_at, half = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "half"
