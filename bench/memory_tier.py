@@ -17,7 +17,7 @@ Two metrics, each against its baseline measured in the same run, printed as JSON
   the background). detail has every K, the snapshot's phases, and the end-to-end
   comparisons of the paired rounds: wall time per step and CPU time per step (both ranks,
   every thread, the replication's included), (with - without) / without.
-- ``peer_restore_vs_disk`` (target <= 0.3): ``CheckpointManager.resume()`` from the memory
+- ``peer_restore_vs_disk`` (target <= 0.5): ``CheckpointManager.resume()`` from the memory
   tier / from the durable tier on local disk, the same state (the FSDP2 MLP + AdamW of
   ``bench/fsdp_state.py``, saved durably at step 1 and in memory at step 2, unchanged in
   between). 2 spawned ranks, one node each; for the memory side node 1's memory
