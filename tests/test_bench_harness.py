@@ -265,7 +265,7 @@ def test_memory_group_uses_the_memory_tier_modes_of_ours():
 def test_memory_metrics_take_target_and_direction_from_our_table():
     raw = {
         "memory_tier_stall": {"value": 0.015, "target": 99.0, "ok": False, "detail": {"k": 5}},
-        "peer_restore_vs_disk": {"value": 0.45, "target": 99.0, "ok": True, "detail": {}},
+        "peer_restore_vs_disk": {"value": 0.6, "target": 99.0, "ok": True, "detail": {}},
     }
     stall, restore = m.memory_metrics(raw)
     assert (stall.name, stall.value, stall.target, stall.ok) == (
@@ -275,7 +275,7 @@ def test_memory_metrics_take_target_and_direction_from_our_table():
         True,
     )
     assert stall.detail == {"k": 5}
-    assert (restore.target, restore.ok) == (0.3, False)
+    assert (restore.target, restore.ok) == (0.5, False)
     with pytest.raises(KeyError):
         m.memory_metrics({"memory_stall": {"value": 0.0, "detail": {}}})
 
