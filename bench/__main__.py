@@ -113,8 +113,10 @@ PLAIN_MAX_STEPS = 65
 """The shorter jobs beside the fault_cost_s ones (restart_overhead's detail only): the
 trainer itself when the warm launcher is used, and the launcher on c10d."""
 ELASTIC_CKPT_EVERY = 10
-RDZV_SIM_TIMEOUT_S = 240.0
-"""Bound of one rendezvous simulation (one backend, one N: its three rounds)."""
+RDZV_SIM_TIMEOUT_S = 600.0
+"""Bound of one rendezvous simulation (one backend, one N: starting its agents, its rounds)."""
+RDZV_PHASE_TIMEOUT_S = 120.0
+"""Bound of one round of a simulation; c10d's round of 256 agents on 2 cores does not end."""
 OURS_RDZV = "ft"
 """The rendezvous backend of the elastic and silent-node jobs (elastic/rendezvous.py);
 restart_overhead's detail has the same kill on torchrun's c10d beside it."""
@@ -405,8 +407,12 @@ def _silent(work: str, mode: Mode) -> list[m.Metric]:
     if mode.silent_runs == 0:
         return _not_full(("silent_node_loss",))
     silent = []
+    warm = warm_available()
+    launcher = "warmstart" if warm else "plain"
     for i in range(mode.silent_runs):
-        _progress(f"silent node: job {i + 1}/{mode.silent_runs}, rdzv {OURS_RDZV}")
+        _progress(
+            f"silent node: job {i + 1}/{mode.silent_runs}, {launcher} launcher, rdzv {OURS_RDZV}"
+        )
         out = silent_node_run(
             work,
             SILENT_MAX_STEPS,
@@ -414,6 +420,7 @@ def _silent(work: str, mode: Mode) -> list[m.Metric]:
             ELASTIC_CKPT_EVERY,
             mode.timeout_s,
             rdzv_backend=OURS_RDZV,
+            warm=warm,
         )
         silent.append(silent_loss(out["metrics"], out["events"], out["logs"], out["frozen_at"]))
     return [
@@ -423,8 +430,9 @@ def _silent(work: str, mode: Mode) -> list[m.Metric]:
             frozen="SIGSTOP of a non-zero rank's agent and worker",
             freeze_after_step=SILENT_FREEZE_AFTER,
             checkpoint_every_steps=ELASTIC_CKPT_EVERY,
-            settings="default trainer settings (run.peer_timeout_s=6, run.heartbeat_s=0.5)",
+            settings="default trainer settings (run.peer_timeout_s=5, run.heartbeat_s=0.5)",
             rdzv_backend=OURS_RDZV,
+            launcher=launcher,
         )
     ]
 
@@ -432,8 +440,10 @@ def _silent(work: str, mode: Mode) -> list[m.Metric]:
 def _rendezvous(mode: Mode) -> list[m.Metric]:
     """rendezvous_vs_c10d: handler-only agents against one store, c10d and ft side by side.
 
-    A simulation that fails or does not finish within ``RDZV_SIM_TIMEOUT_S`` is a row with
-    an ``error``; a backend that failed at some N is not run at larger N (a skipped row)."""
+    A phase that does not finish within ``RDZV_PHASE_TIMEOUT_S`` ends that simulation (the
+    row says which phase and how long it ran); a simulation that fails otherwise, or does
+    not get its agents started within ``RDZV_SIM_TIMEOUT_S``, is a row with an ``error``,
+    and that backend is not run at larger N (a skipped row)."""
     rows: list[dict[str, Any]] = []
     failed: dict[str, int] = {}
     for n in mode.rendezvous_n:
@@ -446,7 +456,12 @@ def _rendezvous(mode: Mode) -> list[m.Metric]:
             _progress(f"rendezvous: {backend} N={n}")
             t0 = time.monotonic()
             try:
-                row = rdzv.simulate(backend, n, timeout_s=min(mode.timeout_s, RDZV_SIM_TIMEOUT_S))
+                row = rdzv.simulate(
+                    backend,
+                    n,
+                    timeout_s=min(mode.timeout_s, RDZV_SIM_TIMEOUT_S),
+                    phase_timeout_s=RDZV_PHASE_TIMEOUT_S,
+                )
             except Exception as exc:
                 failed[backend] = n
                 row = {"backend": backend, "n": n, "error": f"{type(exc).__name__}: {exc}"[:300]}

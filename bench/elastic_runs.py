@@ -299,9 +299,11 @@ def silent_node_run(
     timeout_s: float,
     *,
     rdzv_backend: str = "c10d",
+    warm: bool = False,
 ) -> dict[str, Any]:
     """One 3-agent job (default trainer settings, the peer failure detector included) whose
-    non-rank-0 node is frozen (SIGSTOP of its agent and worker) after ``freeze_after_step``.
+    non-rank-0 node is frozen (SIGSTOP of its agent and worker) after ``freeze_after_step``;
+    ``warm``: workers through :data:`WARM_MODULE`.
 
     Returns rows, events of every rank, agent logs (torchrun at ``LOGLEVEL=INFO``, for the
     rendezvous mark) and the freeze time (unix).
@@ -312,10 +314,12 @@ def silent_node_run(
         "--config", CONFIG, "--max-steps", str(max_steps), "--ckpt-every", str(ckpt_every),
         "--set", f"run.log_every={max_steps}",
     ]  # fmt: skip
+    module, trainer_args = launch_module(args, warm)
     job = ElasticJob(
         os.path.join(work, f"silent_{time.monotonic_ns()}"),
-        trainer_args=args,
-        env={"PYTHONPATH": REPO, "LOGLEVEL": "INFO"},
+        trainer_args=trainer_args,
+        module=module,
+        env={"PYTHONPATH": worker_pythonpath(), "LOGLEVEL": "INFO"},
         rdzv_backend=rdzv_backend,
     )
     try:

@@ -517,29 +517,45 @@ def memory_metrics(raw: dict[str, dict[str, Any]]) -> list[Metric]:
 
 
 def rendezvous_metric(rows: list[dict[str, Any]]) -> Metric:
-    """rendezvous_vs_c10d: the ``ft`` backend's re-round over c10d's, at the largest N
-    where both were measured (bench/rendezvous.py); every phase of every N in ``detail``.
-
-    Rows with an ``error`` (a simulation that failed or timed out) are kept in the detail
-    and named in ``detail.not_measured``; none measured on both sides gives NaN."""
-    measured = {(r["backend"], r["n"]) for r in rows if "error" not in r}
-    both = [n for n in {r["n"] for r in rows} if ("ft", n) in measured and ("c10d", n) in measured]
-    detail: dict[str, Any] = {"phase": "reround_s"}
+    """rendezvous_vs_c10d: the ``ft`` backend's round (``first_round_s``: all N agents join
+    a new rendezvous) over c10d's, at the largest N where ft finished it and c10d either
+    finished it or timed out in it (bench/rendezvous.py). A c10d round that did not finish
+    counts as its timeout, a lower bound: the value is then an upper bound
+    (``detail.c10d_timed_out``). Every phase's ratio at every N, and every row, in detail;
+    no such N gives NaN."""
+    phase = "first_round_s"
+    by = {(r["backend"], r["n"]): r for r in rows}
+    detail: dict[str, Any] = {"phase": phase}
     detail["rows"] = [
         {k: (_r(v) if isinstance(v, float) else v) for k, v in r.items()} for r in rows
     ]
     failed = [f"{r['backend']} N={r['n']}: {r['error']}" for r in rows if "error" in r]
     if failed:
         detail["not_measured"] = failed
-    if not both:
-        detail["status"] = "no N measured on both backends"
+    ratios: dict[str, dict[str, float]] = {}
+    for n in sorted({r["n"] for r in rows}):
+        ft, c10d = by.get(("ft", n), {}), by.get(("c10d", n), {})
+        for p in ("first_round_s", "reround_s", "reround_after_death_s"):
+            theirs = c10d.get(p, c10d.get(p.replace("_s", "_at_least_s")))
+            if p in ft and theirs:
+                bound = "" if p in c10d else " (c10d timed out: upper bound)"
+                ratios.setdefault(f"N={n}", {})[p + bound] = _r(ft[p] / theirs)
+    detail["ratios"] = ratios
+    usable = [
+        n
+        for (backend, n), r in by.items()
+        if backend == "ft"
+        and phase in r
+        and (phase in by.get(("c10d", n), {}) or by.get(("c10d", n), {}).get("timed_out") == phase)
+    ]
+    if not usable:
+        detail["status"] = "no N where both backends ran the round"
         return Metric(name="rendezvous_vs_c10d", value=math.nan, detail=detail)
-    largest = max(both)
-    detail["n"] = largest
+    n = max(usable)
+    ft, c10d = by[("ft", n)], by[("c10d", n)]
+    theirs = c10d.get(phase, c10d.get("first_round_at_least_s"))
+    detail.update(n=n, ft_s=_r(ft[phase]), c10d_s=_r(theirs))
     detail["largest_n_simulated"] = max(r["n"] for r in rows)
-    by = {r["backend"]: r for r in rows if r["n"] == largest and "error" not in r}
-    return Metric(
-        name="rendezvous_vs_c10d",
-        value=_r(by["ft"]["reround_s"] / by["c10d"]["reround_s"]),
-        detail=detail,
-    )
+    if phase not in c10d:
+        detail["c10d_timed_out"] = True
+    return Metric(name="rendezvous_vs_c10d", value=_r(ft[phase] / theirs), detail=detail)

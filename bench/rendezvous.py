@@ -13,9 +13,17 @@ from that start to the last process's return from ``next_rendezvous``:
 - ``reround_after_death_s``: one process exits without a word (its agent died) just
   before the other N-1 rejoin.
 
-c10d runs with the suite's settings (``last_call_timeout=1``, ``keep_alive_interval=1``,
-``keep_alive_max_attempt=5``: whole seconds are its floor), ``ft`` with its defaults.
-The store's request count is not measured yet (TCPStore exposes no counter).
+c10d runs with ``last_call_timeout=1`` (whole seconds are its floor; the default is 30)
+and its default keep-alive (every 5 s, dead after 3 missed): with a keep-alive every
+second, as the e2e tests use, its agents' writes of the shared state contend so much
+that 32 agents on this 2-core machine did not finish a round within 120 s. ``ft`` runs
+with its defaults.
+
+Store requests: each agent wraps the stores its handler talks to in a counter (every
+call of a store method is one request; a ``multi_get`` is one); ``<phase>_requests`` is
+the sum over agents during the phase, keep-alives included. A phase that does not
+finish within its timeout ends the simulation: the row has the phases before it, and
+``timed_out`` (the phase) and ``<phase>_at_least_s`` (the timeout).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import sys
 import time
 from datetime import timedelta
@@ -33,14 +42,10 @@ QUICK_N = (8,)
 FULL_N = (8, 32, 128, 256)
 BACKENDS = ("c10d", "ft")
 CONF = {
-    "c10d": {
-        "last_call_timeout": "1",
-        "keep_alive_interval": "1",
-        "keep_alive_max_attempt": "5",
-        "join_timeout": "120",
-    },
-    "ft": {"join_timeout": "120"},
+    "c10d": {"last_call_timeout": "1", "join_timeout": "600"},
+    "ft": {"join_timeout": "600"},
 }
+PHASE_TIMEOUT_S = 120.0
 PHASES = ("first_round_s", "reround_s", "reround_after_death_s")
 
 
@@ -59,14 +64,48 @@ def _agent(backend, port, n, index, events, results) -> None:
         **CONF[backend],
     )
     handler = get_rendezvous_handler(params)
-    results.put(("ready", index, 0.0, 0))
+    counter = _count_requests(handler)
+    results.put(("ready", index, 0.0, 0, 0))
     for phase, event in zip(PHASES, events):
         if phase == "reround_after_death_s" and index == 0:
             _exit(results)  # this agent dies: no shutdown, no more keep-alives
         event.wait()
+        before = counter.n
         info = handler.next_rendezvous()
-        results.put((phase, index, time.time(), info.world_size))
+        results.put((phase, index, time.time(), info.world_size, counter.n - before))
     _exit(results)
+
+
+class _Counted:
+    """A store whose method calls are counted (one call, one request to the server)."""
+
+    def __init__(self, store: Any, counter: Any) -> None:
+        self._store, self._counter = store, counter
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._counter.n += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def _count_requests(handler: Any) -> Any:
+    """Wrap the stores ``handler`` uses for its rounds and keep-alives in one counter
+    (``.n``): c10d's state backend, ft's store and its keep-alive connection."""
+    counter = type("Counter", (), {"n": 0})()
+    backend = getattr(getattr(handler, "_state_holder", None), "_backend", None)
+    if backend is not None:  # c10d: every state read and write goes through this store
+        backend._store = _Counted(backend._store, counter)
+    if hasattr(handler, "_hb_store"):  # ft
+        handler._store = _Counted(handler._store, counter)
+        if handler._hb_store is not None:
+            handler._hb_store = _Counted(handler._hb_store, counter)
+    return counter
 
 
 def _exit(results) -> None:
@@ -75,9 +114,13 @@ def _exit(results) -> None:
     os._exit(0)
 
 
-def simulate(backend: str, n: int, timeout_s: float = 300.0) -> dict[str, Any]:
+def simulate(
+    backend: str, n: int, timeout_s: float = 600.0, phase_timeout_s: float = PHASE_TIMEOUT_S
+) -> dict[str, Any]:
     """Seconds of each of :data:`PHASES` for ``n`` agents of ``backend`` (see the module
-    docstring), and the world size each round came to."""
+    docstring), the world size each round came to and the store requests it took.
+    ``timeout_s`` bounds the whole simulation (a TimeoutError while the agents start),
+    ``phase_timeout_s`` each phase (the row then says ``timed_out``)."""
     from torch.distributed import TCPStore
 
     from testing.ports import free_port
@@ -105,9 +148,17 @@ def simulate(backend: str, n: int, timeout_s: float = 300.0) -> dict[str, Any]:
             expected = n - 1 if phase == "reround_after_death_s" else n
             start = time.time()
             event.set()
-            rows = _collect(results, phase, expected, deadline)
-            out[phase] = max(t for _, t, _ in rows) - start
-            out[phase.replace("_s", "_world")] = sorted({w for _, _, w in rows})
+            phase_deadline = min(deadline, time.monotonic() + phase_timeout_s)
+            try:
+                rows = _collect(results, phase, expected, phase_deadline)
+            except TimeoutError as exc:
+                out["timed_out"] = phase
+                out[phase.replace("_s", "_at_least_s")] = round(time.time() - start, 1)
+                out["error"] = str(exc)
+                break
+            out[phase] = max(t for _, t, _, _ in rows) - start
+            out[phase.replace("_s", "_world")] = sorted({w for _, _, w, _ in rows})
+            out[phase.replace("_s", "_requests")] = sum(r for _, _, _, r in rows)
     finally:
         for p in procs:
             if p.is_alive():
@@ -118,13 +169,16 @@ def simulate(backend: str, n: int, timeout_s: float = 300.0) -> dict[str, Any]:
     return out
 
 
-def _collect(results, phase: str, count: int, deadline: float) -> list[tuple[int, float, int]]:
-    rows = []
+def _collect(results, phase: str, count: int, deadline: float) -> list[tuple[Any, ...]]:
+    rows: list[tuple[Any, ...]] = []
     while len(rows) < count:
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{phase}: {len(rows)} of {count} agents done")
-        got = results.get(timeout=left)
+        try:
+            if left <= 0:
+                raise queue.Empty
+            got = results.get(timeout=left)
+        except queue.Empty:
+            raise TimeoutError(f"{phase}: {len(rows)} of {count} agents done") from None
         if got[0] != phase:
             raise RuntimeError(f"expected {phase}, got {got}")
         rows.append(got[1:])
@@ -133,9 +187,17 @@ def _collect(results, phase: str, count: int, deadline: float) -> list[tuple[int
 
 def describe(row: dict[str, Any]) -> str:
     """One line for a row of :func:`simulate` (or a failed one: its ``error``)."""
-    if "error" in row:
-        return f"not measured ({row['error']})"
-    return ", ".join(f"{p}={row[p]:.3f}" for p in PHASES)
+    parts = [
+        f"{p}={row[p]:.3f} ({row[p.replace('_s', '_requests')]} requests)"
+        for p in PHASES
+        if p in row
+    ]
+    if "timed_out" in row:
+        at_least = row[row["timed_out"].replace("_s", "_at_least_s")]
+        parts.append(f"{row['timed_out']} did not finish in {at_least:g} s ({row['error']})")
+    elif "error" in row:
+        parts.append(f"not measured ({row['error']})")
+    return ", ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

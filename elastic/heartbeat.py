@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 0.5
 """Seconds between two heartbeats (and two reads of the peers' counters)."""
-DEFAULT_PEER_TIMEOUT_S = 6.0
+DEFAULT_PEER_TIMEOUT_S = 5.0
 """A peer whose counter did not move for this long is silent."""
 PEER_SILENT_EXIT_CODE = 125
 """Exit code of a rank that left because a peer (or the store) went silent."""

@@ -30,13 +30,18 @@ A round closes when (a) ``max_nodes`` have joined, or (b) at least ``min_nodes``
 have joined and every live member of the previous round is among them, or (c) at
 least ``min_nodes`` have joined and ``last_call_timeout`` has passed since this node
 saw ``min_nodes`` (first round only; a re-round waits up to ``rejoin_timeout`` for
-live members instead). The first node to see one of these writes the member list; a node
+live members instead). The first node to see one of these writes the member list,
+leaving out any joiner whose keep-alive has gone stale since it joined. The round's
+first three joiners evaluate it every ``poll_interval``; the others only look for its
+result then (one store request) and evaluate it once per ``decide_interval``, in case
+all three died, so a round of hundreds of nodes does not load the store. A node
 not on it (it came late, or was taken for dead) joins the next round, which makes
 the members' ``num_nodes_waiting`` non-zero and so restarts them into it.
 
 ``--rdzv_conf`` keys (defaults in :class:`FtConfig`): ``is_host``,
 ``last_call_timeout``, ``join_timeout``, ``keep_alive_interval``,
-``keep_alive_timeout``, ``rejoin_timeout``, ``poll_interval``, ``connect_timeout``, ``read_timeout``
+``keep_alive_timeout``, ``rejoin_timeout``, ``poll_interval``, ``decide_interval``,
+``connect_timeout``, ``read_timeout``
 (seconds, floats allowed).
 """
 
@@ -72,6 +77,8 @@ log = logging.getLogger(__name__)
 BACKEND = "ft"
 DEFAULT_PORT = 29400
 CLOSED = "closed"
+DECIDERS = 3
+"""The first joiners of a round, which evaluate it every ``poll_interval``."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,9 @@ class FtConfig:
     has not rejoined yet before the round closes without it."""
     poll_interval: float = 0.05
     """How often a waiting node checks whether its round is complete."""
+    decide_interval: float = 1.0
+    """How often a waiting node that is not one of the round's first joiners (which
+    evaluate it every poll) evaluates whether the round can close."""
     connect_timeout: float = 60.0
     """Bound on reaching the store at the endpoint (RendezvousConnectionError after it)."""
     read_timeout: float = 60.0
@@ -155,6 +165,7 @@ class FtRendezvousHandler(RendezvousHandler):
         if min_nodes < 1 or max_nodes < min_nodes:
             raise ValueError(f"bad node range {min_nodes}:{max_nodes}")
         self._store = store
+        self._agent_base = store  # what the agent's PrefixStore wraps: a real Store
         self._hb_store = heartbeat_store
         self._run_id = run_id
         self._min = min_nodes
@@ -200,9 +211,16 @@ class FtRendezvousHandler(RendezvousHandler):
             self._store.compare_set(self._rkey(r, "members"), "", CLOSED)
 
     def num_nodes_waiting(self) -> int:
+        """Live nodes that joined the round after this node's (one request while none
+        did; a joiner that died before the round closed is not counted)."""
         if self._round is None:
             return 0
-        return int(self._store.add(self._rkey(self._round + 1, "n"), 0))
+        nxt = self._round + 1
+        count = int(self._store.add(self._rkey(nxt, "n"), 0))
+        if count == 0:
+            return 0
+        joined = list(self._read_slots(nxt, list(range(1, count + 1))).values())
+        return len(self._alive_of(joined))
 
     def shutdown(self) -> bool:
         self._stop_heartbeat()
@@ -229,7 +247,7 @@ class FtRendezvousHandler(RendezvousHandler):
             rnd = self._target_round(rnd)  # left out of that round: the next one
         self._round = rnd
         rank = members.index(self.node_id)
-        store = PrefixStore(self._rkey(rnd, "agent/"), self._store)
+        store = PrefixStore(self._rkey(rnd, "agent/"), self._agent_base)
         info = RendezvousStoreInfo.build(rank, store, self._local_addr)
         log.info(
             "ft rendezvous %s round %d complete: rank %d of %d",
@@ -269,39 +287,49 @@ class FtRendezvousHandler(RendezvousHandler):
         liveness = Liveness(self.config.keep_alive_timeout)
         seen: dict[int, str] = {}
         min_seen_at: float | None = None
+        # The first DECIDERS joiners evaluate the round every poll; the others only watch
+        # for its result and evaluate once per ``decide_interval`` (in case every decider
+        # died): what a waiting node costs the store stays one request per poll.
+        decider = slot <= DECIDERS
+        next_decision = 0.0
         result_key = self._rkey(rnd, "members")
         while True:
-            count = int(store.add(self._rkey(rnd, "n"), 0))
-            missing = [i for i in range(1, count + 1) if i not in seen]
-            if missing:
-                seen.update(self._read_slots(rnd, missing))
-            joined = [seen[i] for i in sorted(seen)]
             now = time.monotonic()
-            if len(joined) >= self._min and min_seen_at is None:
-                min_seen_at = now
-            ready = len(joined) >= self._max
-            if not ready and min_seen_at is not None:
-                waited = now - min_seen_at
-                if previous:
-                    # a re-round: done once every live member of the last round is back
-                    absent = [p for p in previous if p not in joined]
-                    ready = not any(liveness.alive(p, self._hb(p)) for p in absent)
-                    ready = ready or waited >= self.config.rejoin_timeout
-                else:
-                    ready = waited >= self.config.last_call_timeout
-            if ready:
-                store.compare_set(result_key, "", json.dumps(joined[: self._max]))
-            result = self._wait_result(rnd, min(self.config.poll_interval, deadline - now))
+            if decider or now >= next_decision:
+                next_decision = now + self.config.decide_interval
+                count = int(store.add(self._rkey(rnd, "n"), 0))
+                missing = [i for i in range(1, count + 1) if i not in seen]
+                if missing:
+                    seen.update(self._read_slots(rnd, missing))
+                joined = [seen[i] for i in sorted(seen)]
+                if len(joined) >= self._min and min_seen_at is None:
+                    min_seen_at = now
+                ready = len(joined) >= self._max
+                if not ready and min_seen_at is not None:
+                    waited = now - min_seen_at
+                    if previous:
+                        # a re-round: done once every live member of the last round is back
+                        absent = [p for p in previous if p not in joined]
+                        ready = not any(liveness.alive(p, self._hb(p)) for p in absent)
+                        ready = ready or waited >= self.config.rejoin_timeout
+                    else:
+                        ready = waited >= self.config.last_call_timeout
+                if ready:
+                    live = self._alive_of(joined)  # a joiner that died since is left out
+                    if len(live) >= self._min:
+                        store.compare_set(result_key, "", json.dumps(live[: self._max]))
+            left = deadline - time.monotonic()
+            result = self._wait_result(rnd, min(self.config.poll_interval, left))
             if result is not None:
                 return result
             if time.monotonic() >= deadline:
                 raise RendezvousTimeoutError(
                     f"ft rendezvous {self._run_id}: round {rnd} did not complete within "
-                    f"{self.config.join_timeout:g} s ({len(joined)} of min {self._min} nodes)"
+                    f"{self.config.join_timeout:g} s ({len(seen)} of min {self._min} nodes)"
                 )
 
     def _wait_result(self, rnd: int, timeout: float) -> list[str] | None:
-        """The round's member list once written, after at most ``timeout`` s of waiting.
+        """The round's member list if written, else None after ``timeout`` s.
 
         A poll (``check`` then ``sleep``), not ``TCPStore.wait``: a wait that times out
         logs a C++ warning per timeout and leaves the connection busy until the server
@@ -309,8 +337,7 @@ class FtRendezvousHandler(RendezvousHandler):
         key = self._rkey(rnd, "members")
         if not self._store.check([key]):
             time.sleep(max(timeout, 0.0))
-            if not self._store.check([key]):
-                return None
+            return None
         value = self._store.get(key).decode()
         if value == CLOSED:
             raise RendezvousClosedError()
@@ -320,11 +347,27 @@ class FtRendezvousHandler(RendezvousHandler):
         """Node ids of the slots already written (a joiner writes its id right after it
         takes a slot; one that died in between simply stays unwritten)."""
         keys = [self._rkey(rnd, f"s{i}") for i in slots]
-        present = [(i, k) for i, k in zip(slots, keys) if self._store.check([k])]
+        if self._store.check(keys):  # the usual case: all written, one request each way
+            present = list(zip(slots, keys))
+        else:
+            present = [(i, k) for i, k in zip(slots, keys) if self._store.check([k])]
         if not present:
             return {}
         values = self._store.multi_get([k for _, k in present])
         return {i: v.decode() for (i, _), v in zip(present, values)}
+
+    def _alive_of(self, nodes: list[str]) -> list[str]:
+        """``nodes`` whose keep-alive is fresh by its wall time (one request). Every
+        joiner writes its keep-alive before it takes a slot, so each key is there."""
+        if not nodes:
+            return []
+        values = self._store.multi_get([self._key(f"hb/{n}") for n in nodes])
+        now = time.time()
+        return [
+            n
+            for n, v in zip(nodes, values)
+            if now - _wall_of(v.decode(), now) < self.config.keep_alive_timeout
+        ]
 
     # -- keep-alive -----------------------------------------------------------------------
 
@@ -379,13 +422,17 @@ class Liveness:
             old = self._last[node]
         if value is None:
             return now - old[1] < self.timeout
-        try:
-            wall = float(value.split()[1])
-        except (IndexError, ValueError):
-            wall = time.time()
-        if time.time() - wall > self.timeout:
+        if time.time() - _wall_of(value, time.time()) > self.timeout:
             return False
         return now - old[1] < self.timeout
+
+
+def _wall_of(value: str, default: float) -> float:
+    """The wall time in a keep-alive value (``"<counter> <unix time>"``)."""
+    try:
+        return float(value.split()[1])
+    except (IndexError, ValueError):
+        return default
 
 
 def create_handler(params: RendezvousParameters) -> FtRendezvousHandler:
@@ -393,6 +440,9 @@ def create_handler(params: RendezvousParameters) -> FtRendezvousHandler:
     config = FtConfig.from_params(params)
     store = connect_store(params, config)
     store.set_timeout(timedelta(seconds=config.read_timeout))
+    # The keep-alive's own connection is made now, not in the first round, where every
+    # node would connect at once (a storm of connects waits on the listen backlog).
+    heartbeat = store.clone()
     return FtRendezvousHandler(
         store,
         params.run_id,
@@ -400,4 +450,5 @@ def create_handler(params: RendezvousParameters) -> FtRendezvousHandler:
         params.max_nodes,
         config=config,
         local_addr=params.local_addr,
+        heartbeat_store=heartbeat,
     )

@@ -543,26 +543,37 @@ def test_restart_metric_reports_c10d_beside_our_rendezvous():
     assert m.restart_metric(ours, [2.0], c10d="failed: x").detail["c10d"] == "failed: x"
 
 
-def test_rendezvous_metric_uses_the_largest_n_measured_on_both_backends():
-    def row(backend, n, reround):
-        return {"backend": backend, "n": n, "first_round_s": 1.0, "reround_s": reround}
+def test_rendezvous_metric_uses_the_largest_n_where_both_backends_ran_the_round():
+    def row(backend, n, first, reround=1.0):
+        return {"backend": backend, "n": n, "first_round_s": first, "reround_s": reround}
 
     rows = [
-        row("c10d", 8, 3.0),
+        row("c10d", 8, 1.5),
         row("ft", 8, 0.06),
         row("c10d", 32, 6.0),
         row("ft", 32, 0.3),
-        {"backend": "c10d", "n": 128, "error": "TimeoutError: first_round_s: 90 of 128"},
+        {"backend": "c10d", "n": 128, "error": "TimeoutError: while starting"},
         row("ft", 128, 0.5),
     ]
     metric = m.rendezvous_metric(rows)
     assert metric.value == pytest.approx(0.05)
     assert metric.detail["n"] == 32 and metric.detail["largest_n_simulated"] == 128
-    assert metric.detail["not_measured"] == ["c10d N=128: TimeoutError: first_round_s: 90 of 128"]
+    assert metric.detail["not_measured"] == ["c10d N=128: TimeoutError: while starting"]
+    assert "c10d_timed_out" not in metric.detail
+    assert metric.detail["ratios"]["N=8"]["first_round_s"] == pytest.approx(0.04)
     assert metric.ok
+    # c10d's round did not finish within the phase timeout: its timeout is a lower bound.
+    timed_out = {
+        "backend": "c10d", "n": 256, "timed_out": "first_round_s",
+        "first_round_at_least_s": 120.0, "error": "first_round_s: 200 of 256 agents done",
+    }  # fmt: skip
+    bounded = m.rendezvous_metric([*rows, timed_out, row("ft", 256, 1.2)])
+    assert bounded.detail["n"] == 256 and bounded.detail["c10d_timed_out"] is True
+    assert bounded.value == pytest.approx(0.01)
+    assert "first_round_s (c10d timed out: upper bound)" in bounded.detail["ratios"]["N=256"]
     none = m.rendezvous_metric([rows[4], rows[5]])
     assert math.isnan(none.value) and not none.ok
-    assert none.detail["status"] == "no N measured on both backends"
+    assert none.detail["status"] == "no N where both backends ran the round"
 
 
 def test_progress_line_names_the_task_its_time_and_each_metric_as_it_landed():

@@ -500,7 +500,7 @@ def test_trainer_config_turns_the_detector_on_by_default() -> None:
     from trainer.config import load_config
 
     run = load_config(None).run
-    assert (run.peer_timeout_s, run.heartbeat_s) == (6.0, 0.5)
+    assert (run.peer_timeout_s, run.heartbeat_s) == (5.0, 0.5)
     assert load_config(None, ["run.peer_timeout_s=0"]).run.peer_timeout_s == 0.0  # off
 
 

@@ -5,6 +5,7 @@ its own (as each agent calls it in a process of its own)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import subprocess
 import sys
 import time
@@ -173,6 +174,54 @@ def test_new_node_is_waiting_then_joins_the_next_round(nodes):
     again = [*results(n.start(hs)), pending.result(timeout=15)]
     assert_one_round(again, 3)
     assert all(h.num_nodes_waiting() == 0 for h in [*hs, newcomer])
+
+
+def ghost_joins(server: TCPStore, rnd: int, name: str = "ghost", run_id: str = "job") -> None:
+    """What an agent that took a slot of round ``rnd`` and then died leaves in the store:
+    its id in the slot and a keep-alive last written 10 s ago."""
+    store = client(server)
+    store.set(f"ft/{run_id}/hb/{name}", f"3 {time.time() - 10}")
+    slot = store.add(f"ft/{run_id}/r{rnd}/n", 1)
+    store.set(f"ft/{run_id}/r{rnd}/s{slot}", name)
+
+
+def test_a_joiner_that_died_before_the_round_closed_is_left_out(nodes, server):
+    n = nodes(min_nodes=2, max_nodes=4)
+    ghost_joins(server, 0)  # slot 1 of the first round: a dead decider
+    hs = [n.add() for _ in range(2)]
+    infos = results(n.start(hs))
+    assert_one_round(infos, 2)
+    members = json.loads(client(server).get("ft/job/r0/members"))
+    assert members == ["node0", "node1"] or members == ["node1", "node0"]
+
+
+def test_the_round_closes_when_every_decider_died(nodes, server):
+    """The first three joiners decide every poll; here all three died after joining, so
+    the live nodes (slots 4 and 5) close the round on their slower evaluation."""
+    n = nodes(min_nodes=2, max_nodes=8)
+    for i in range(3):
+        ghost_joins(server, 0, f"ghost{i}")
+    hs = [n.add() for _ in range(2)]
+    t0 = time.monotonic()
+    assert_one_round(results(n.start(hs)), 2)
+    assert time.monotonic() - t0 < FtConfig().decide_interval + 2.0
+
+
+def test_a_dead_joiner_is_not_counted_as_waiting(nodes, server):
+    n = nodes(min_nodes=2, max_nodes=4)
+    hs = [n.add() for _ in range(2)]
+    assert_one_round(results(n.start(hs)), 2)
+    ghost_joins(server, 1)  # joined the next round, then died: no restart for it
+    assert [h.num_nodes_waiting() for h in hs] == [0, 0]
+    newcomer = n.add()
+    pending = n.pool.submit(newcomer.next_rendezvous)
+    deadline = time.monotonic() + 5
+    while hs[0].num_nodes_waiting() == 0:
+        assert time.monotonic() < deadline, "the live newcomer never showed as waiting"
+        time.sleep(0.02)
+    assert hs[1].num_nodes_waiting() == 1
+    again = [*results(n.start(hs)), pending.result(timeout=15)]
+    assert_one_round(again, 3)
 
 
 def test_close_ends_waiting_nodes_and_later_joins(nodes):

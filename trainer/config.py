@@ -200,7 +200,7 @@ class RunConfig:
     """Dump every stack and exit (code 124) when no step finishes for this many seconds;
     0 disables; ``"auto"`` (default): 10 x the median of the first timed steps, within
     [60, 600] s (600 s until then). Loads, saves and the first step get 900 s more."""
-    peer_timeout_s: float = 6.0
+    peer_timeout_s: float = 5.0
     """Peer failure detector: leave (exit code 125) when a peer's heartbeat, or the TCP
     store that carries them, has been silent this long (a frozen node, a cut link), so
     torchrun restarts the group without it; 0 disables."""

@@ -9,14 +9,18 @@ only the processes it started.
 from __future__ import annotations
 
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 import ckpt
 from bench.fault_cost import fault_cost
+from runcore import events as ev
 from testing.local_cluster import BACKENDS, REPO, ElasticJob
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -175,8 +179,9 @@ def test_hung_rank_is_ended_by_the_watchdog_and_the_job_finishes(job_factory):
         assert "hang" in f.read()
 
 
-def test_max_restarts_exhausted_fails_clearly_and_last_checkpoint_verifies(job_factory):
-    job = job_factory("exhausted", max_restarts=1)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_max_restarts_exhausted_fails_clearly_and_last_checkpoint_verifies(job_factory, backend):
+    job = job_factory("exhausted", max_restarts=1, rdzv_backend=backend)
     job.env["TRAINER_FAULTS"] = "exit:step=9:rank=0:attempt=0;exit:step=9:rank=0:attempt=1"
     job.add_agent()
     job.add_agent()
@@ -193,8 +198,9 @@ def test_max_restarts_exhausted_fails_clearly_and_last_checkpoint_verifies(job_f
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
-def test_sigterm_emergency_checkpoint_then_new_launch_resumes(job_factory):
-    job = job_factory("preempt")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigterm_emergency_checkpoint_then_new_launch_resumes(job_factory, backend):
+    job = job_factory("preempt", rdzv_backend=backend)
     agents = [job.add_agent(), job.add_agent()]
     job.wait_for(lambda: job.last_step() >= 8, 150, "step 8")
     job.sigterm_agent(agents[1])
@@ -211,8 +217,71 @@ def test_sigterm_emergency_checkpoint_then_new_launch_resumes(job_factory):
     assert stopped_at < STEPS
 
     # A new launch of the same job: same checkpoints and run dir.
-    again = job_factory("preempt-resume", rdzv_id="preempt2", data_dir=job.workdir)
+    again = job_factory(
+        "preempt-resume", rdzv_id="preempt2", data_dir=job.workdir, rdzv_backend=backend
+    )
     run_two_agents(again, 180)
     resumed = [e for e in again.events() if e["event"] in ("checkpoint_loaded", "resume")]
     assert any(e.get("step") == last.step for e in resumed), resumed
     assert again.metrics()[-1]["step"] == STEPS
+
+
+CHAOS_KILLS = 3
+
+
+@pytest.fixture(scope="module")
+def chaos_reference(tmp_path_factory):
+    """One uninterrupted run (the ft backend; the backend does not change the numbers)."""
+    job = ElasticJob(
+        workdir=str(tmp_path_factory.mktemp("chaos-reference")),
+        trainer_args=list(TRAINER_ARGS),
+        rdzv_backend="ft",
+        nnodes="2:3",
+    )
+    try:
+        run_two_agents(job, 150)
+        yield job
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chaos_random_worker_kills_resume_bitwise(job_factory, chaos_reference, backend):
+    """SIGKILL of a random worker at a random moment (mid-step, mid-save, mid-load: wherever
+    it lands), three times, each in the attempt after the last one; the job must finish and
+    equal the uninterrupted run bit for bit. The seed is printed; ``CHAOS_SEED`` replays it."""
+    seed = int(os.environ.get("CHAOS_SEED", time.time_ns() % 1_000_000))
+    print(f"\n[{backend}] CHAOS_SEED={seed}")
+    rng = random.Random(seed)
+    job = job_factory(
+        "chaos", rdzv_id="chaos", rdzv_backend=backend, nnodes="2:3", max_restarts=CHAOS_KILLS + 1
+    )
+    agents = [job.add_agent(), job.add_agent()]
+    kills: list[tuple[str, int]] = []
+    killed_at = 0.0
+    for attempt in range(CHAOS_KILLS):
+        # A step finished after the last kill: the next attempt runs. Kill early enough
+        # that it is still running (it resumed from a checkpoint up to 6 steps back).
+        after = rng.randint(2, STEPS // 2 + 2)
+        job.wait_for(
+            lambda s=after, t=killed_at: (
+                (rows := job.metrics()) and rows[-1]["time"] > t and rows[-1]["step"] >= s
+            ),
+            150,
+            f"attempt {attempt} past step {after}",
+        )
+        time.sleep(rng.uniform(0.0, 0.4))  # off the step boundary
+        victim = rng.choice(agents)
+        workers = job.worker_pids(victim)
+        assert workers, f"{victim.name} has no worker to kill"
+        os.kill(workers[0], signal.SIGKILL)
+        killed_at = time.time()
+        kills.append((victim.name, job.last_step()))
+    assert job.wait_agents(200) == {"agent0": 0, "agent1": 0}, (seed, kills, job.logs_tail())
+    assert_completed(job)
+    rows = job.metrics()
+    starts = [e for e in job.events() if e["event"] == ev.START]
+    assert len(starts) == CHAOS_KILLS + 1, (seed, kills, starts)  # one group per attempt
+    assert_repeated_steps_saw_same_samples(rows)
+    assert_bitwise_like(chaos_reference, job)
+    print(f"[{backend}] kills (agent, last step seen): {kills}")

@@ -4,7 +4,7 @@ Each torchrun agent runs in a Linux network namespace of its own, on a virtual b
 with its own 10.x.y.z address (``--local_addr``, ``GLOO_SOCKET_IFNAME=eth0``, as on real
 hosts); the rendezvous store runs in a namespace of its own (testing/netns.py,
 testing/local_cluster.py). Default trainer settings: the peer failure detector
-(``run.peer_timeout_s`` = 6 s) is what turns the silence into a restart without the
+(``run.peer_timeout_s`` = 5 s) is what turns the silence into a restart without the
 silent node. Each scenario asserts on metrics.jsonl, the events of every rank and the
 checkpoints, and prints the measured recovery time (freeze or cut -> first step at the
 new world size). One more test freezes an agent on 127.0.0.1 (no namespaces).
