@@ -157,6 +157,15 @@ def test_re_round_completes_when_all_live_members_rejoined(nodes):
     assert time.monotonic() - t0 < 1.0  # well under the 2 s last call
 
 
+def await_one_waiting(members, who: str) -> None:
+    """Until the first member counts one node waiting (5 s at most); then every member does."""
+    deadline = time.monotonic() + 5
+    while members[0].num_nodes_waiting() == 0:
+        assert time.monotonic() < deadline, f"{who} never showed as waiting"
+        time.sleep(0.02)
+    assert all(h.num_nodes_waiting() == 1 for h in members)
+
+
 def test_new_node_is_waiting_then_joins_the_next_round(nodes):
     n = nodes(min_nodes=2, max_nodes=4)
     hs = [n.add() for _ in range(2)]
@@ -164,11 +173,7 @@ def test_new_node_is_waiting_then_joins_the_next_round(nodes):
     assert_one_round(infos, 2)
     newcomer = n.add()
     pending = n.pool.submit(newcomer.next_rendezvous)
-    deadline = time.monotonic() + 5
-    while hs[0].num_nodes_waiting() == 0:
-        assert time.monotonic() < deadline, "the newcomer never showed as waiting"
-        time.sleep(0.02)
-    assert hs[1].num_nodes_waiting() == 1
+    await_one_waiting(hs, "the newcomer")
     assert not pending.done()  # it waits for the members, who are still running
     # The members' monitors see it and restart into the next round, which includes it.
     again = [*results(n.start(hs)), pending.result(timeout=15)]
@@ -215,11 +220,7 @@ def test_a_dead_joiner_is_not_counted_as_waiting(nodes, server):
     assert [h.num_nodes_waiting() for h in hs] == [0, 0]
     newcomer = n.add()
     pending = n.pool.submit(newcomer.next_rendezvous)
-    deadline = time.monotonic() + 5
-    while hs[0].num_nodes_waiting() == 0:
-        assert time.monotonic() < deadline, "the live newcomer never showed as waiting"
-        time.sleep(0.02)
-    assert hs[1].num_nodes_waiting() == 1
+    await_one_waiting(hs, "the live newcomer")
     again = [*results(n.start(hs)), pending.result(timeout=15)]
     assert_one_round(again, 3)
 

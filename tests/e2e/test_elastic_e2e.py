@@ -166,8 +166,9 @@ def test_agent_joins_job_continues_at_world_size_3(job_factory, backend):
     assert ckpt.find_latest_committed(job.ckpt_dir).manifest.world_size == 3
 
 
-def test_hung_rank_is_ended_by_the_watchdog_and_the_job_finishes(job_factory):
-    job = job_factory("hang")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hung_rank_is_ended_by_the_watchdog_and_the_job_finishes(job_factory, backend):
+    job = job_factory("hang", rdzv_backend=backend)
     job.env["TRAINER_FAULTS"] = "hang:step=14:rank=1"
     job.trainer_args[job.trainer_args.index("run.watchdog_s=15")] = "run.watchdog_s=6"
     run_two_agents(job, 200)

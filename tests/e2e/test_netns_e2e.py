@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 import ckpt
+from elastic.heartbeat import DEFAULT_PEER_TIMEOUT_S
 from testing.local_cluster import BACKENDS, Agent, ElasticJob
 from testing.netns import IFNAME, Host, VirtualNetwork, netns_unavailable
 
@@ -226,7 +227,8 @@ def test_a_frozen_node_is_left_behind(network, jobs, tmp_path, record_property, 
     assert len({tuple(e["silent_ranks"]) for e in found}) == 1, found
     assert not {e["rank"] for e in found} & set(found[0]["silent_ranks"]), found
     assert_blamed(found, cluster.hosts[victim.name])
-    assert all(5.5 <= e["silent_s"] <= 10 for e in found), found
+    bound = DEFAULT_PEER_TIMEOUT_S  # run.peer_timeout_s, the trainer's default
+    assert all(bound - 0.5 <= e["silent_s"] <= bound + 4 for e in found), found
     assert recovery < RECOVERY_BOUND_S
 
 
@@ -257,13 +259,14 @@ def test_a_cut_link_is_left_behind(network, jobs, tmp_path, record_property, bac
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_restored_link_does_not_let_the_stale_node_corrupt_the_run(
-    network, jobs, tmp_path, record_property
+    network, jobs, tmp_path, record_property, backend
 ):
     """(c) The link of the node hosting rank 0 (the checkpoint coordinator and the workers'
     store) is cut, then restored once the job has moved on at world size 2. The stale
     rank 0 must not commit anything after the cut; its agent may rejoin as a new member."""
-    cluster = Cluster(network, str(tmp_path / "restored"), jobs, STEPS)
+    cluster = Cluster(network, str(tmp_path / "restored"), jobs, STEPS, backend)
     job = cluster.job
     agents, victim = cluster.three_nodes_and_victim(rank0=True)
     stale_pids, cut_at, row = cluster.cut_until_world_2(victim)
@@ -308,11 +311,12 @@ def _unix(iso: str) -> float:
 
 
 @pytest.mark.timeout(180)
-def test_a_node_joins_from_a_new_address(network, jobs, tmp_path, record_property):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_node_joins_from_a_new_address(network, jobs, tmp_path, record_property, backend):
     """(d) Two nodes train; a third host appears on the network with a new address and
     joins: the job grows to world size 3 and finishes there."""
     steps = 60  # long enough that the newcomer joins before the job ends (~30 s at world 2)
-    cluster = Cluster(network, str(tmp_path / "join"), jobs, steps)
+    cluster = Cluster(network, str(tmp_path / "join"), jobs, steps, backend)
     job = cluster.job
     agents = [cluster.add_node(f"node{i}") for i in range(2)]
     job.wait_for(lambda: job.last_step() >= 4, 120, "step 4 at world 2")
