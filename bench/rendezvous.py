@@ -45,7 +45,7 @@ CONF = {
     "c10d": {"last_call_timeout": "1", "join_timeout": "600"},
     "ft": {"join_timeout": "600"},
 }
-PHASE_TIMEOUT_S = 120.0
+PHASE_TIMEOUT_S = 60.0
 PHASES = ("first_round_s", "reround_s", "reround_after_death_s")
 
 

@@ -47,6 +47,15 @@ def test_ckpt_never_imports_elastic_trainer_or_testing() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_warmstart_is_standard_library_only() -> None:
+    # Its zygote outlives workers: it must not hold (stale) code of ckpt, elastic, trainer
+    # beyond what it is told to preload.
+    for name, imported in _imports("warmstart").items():
+        outside = imported - {"warmstart"} - sys.stdlib_module_names
+        assert not outside, f"warmstart/{name} imports {outside}"
+
+
+@pytest.mark.timeout(30)
 def test_runcore_is_standard_library_only() -> None:
     for name, imported in _imports("runcore").items():
         outside = imported - {"runcore"} - sys.stdlib_module_names

@@ -99,13 +99,12 @@ def job_factory(tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_worker_killed_group_restarts_and_matches_uninterrupted_run(job_factory, backend):
+def test_worker_killed_group_restarts_and_matches_uninterrupted_run(
+    job_factory, reference_run, backend
+):
     # --nnodes=2:3 --max_restarts=2 on either rendezvous backend; with ft no
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE anywhere (ElasticJob sets it for c10d only).
     settings = {"rdzv_backend": backend, "nnodes": "2:3", "max_restarts": 2}
-    reference = job_factory("reference", **settings)
-    run_two_agents(reference, 150)
-
     job = job_factory("killed", rdzv_id="killed", **settings)
     job.env["TRAINER_FAULTS"] = "kill:step=14:rank=1"
     run_two_agents(job, 180)
@@ -117,7 +116,7 @@ def test_worker_killed_group_restarts_and_matches_uninterrupted_run(job_factory,
     assert (
         any(e["event"] == "fault" for e in job.events()) or rows
     )  # the fault event may die with the rank
-    assert_bitwise_like(reference, job)
+    assert_bitwise_like(reference_run, job)
     logs = [a.log() for a in job.agents]
     assert not any("is not set in its environment" in text for text in logs)  # RunGuard's warning
     cost = fault_cost(rows, job.all_events(), logs, kills=1)
@@ -230,24 +229,8 @@ def test_sigterm_emergency_checkpoint_then_new_launch_resumes(job_factory, backe
 CHAOS_KILLS = 3
 
 
-@pytest.fixture(scope="module")
-def chaos_reference(tmp_path_factory):
-    """One uninterrupted run (the ft backend; the backend does not change the numbers)."""
-    job = ElasticJob(
-        workdir=str(tmp_path_factory.mktemp("chaos-reference")),
-        trainer_args=list(TRAINER_ARGS),
-        rdzv_backend="ft",
-        nnodes="2:3",
-    )
-    try:
-        run_two_agents(job, 150)
-        yield job
-    finally:
-        job.close()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_chaos_random_worker_kills_resume_bitwise(job_factory, chaos_reference, backend):
+def test_chaos_random_worker_kills_resume_bitwise(job_factory, reference_run, backend):
     """SIGKILL of a random worker at a random moment (mid-step, mid-save, mid-load: wherever
     it lands), three times, each in the attempt after the last one; the job must finish and
     equal the uninterrupted run bit for bit. The seed is printed; ``CHAOS_SEED`` replays it."""
@@ -284,5 +267,5 @@ def test_chaos_random_worker_kills_resume_bitwise(job_factory, chaos_reference, 
     starts = [e for e in job.events() if e["event"] == ev.START]
     assert len(starts) == CHAOS_KILLS + 1, (seed, kills, starts)  # one group per attempt
     assert_repeated_steps_saw_same_samples(rows)
-    assert_bitwise_like(chaos_reference, job)
+    assert_bitwise_like(reference_run, job)
     print(f"[{backend}] kills (agent, last step seen): {kills}")

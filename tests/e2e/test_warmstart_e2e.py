@@ -63,10 +63,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_warm_restarts_match_an_uninterrupted_plain_run(jobs, backend):
-    reference = jobs("reference", warm=False)
-    run_two_agents(reference, 150)
-
+def test_warm_restarts_match_an_uninterrupted_plain_run(jobs, reference_run, backend):
     job = jobs("warm", rdzv_backend=backend)
     # Two restarts: the second one is warm on both nodes whatever the zygotes' start took.
     job.env["TRAINER_FAULTS"] = "kill:step=9:rank=1:attempt=0;kill:step=17:rank=0:attempt=1"
@@ -76,7 +73,7 @@ def test_warm_restarts_match_an_uninterrupted_plain_run(jobs, backend):
     assert max(r["restart_count"] for r in rows) == 2
     for agent in job.agents:
         assert len(warm_children(job, agent)) >= 1, agent.log()[-3000:]
-    assert_bitwise_like(reference, job)
+    assert_bitwise_like(reference_run, job)
 
 
 def test_killed_warm_node_leaves_nothing_behind_and_survivors_reshard(jobs):
