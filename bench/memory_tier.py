@@ -465,6 +465,7 @@ def _transfer_detail(raw: dict, peer_s: float) -> dict:
         "peer_shipped_bytes": int(nbytes),
         "peer_chunks": int(statistics.median(t.get("chunks", 0) for t in per_sample)),
         "peer_load_waited_for_bytes_median_s": round(wait, 4),
+        "peer_placed_bytes": int(statistics.median(t.get("placed_bytes", 0) for t in per_sample)),
         "peer_effective_gbps": round(nbytes / peer_s / 1e9, 3),
     }
     base = raw.get("baselines") or []
@@ -474,11 +475,11 @@ def _transfer_detail(raw: dict, peer_s: float) -> dict:
             out[f"baseline_{key}"] = round(value, 4)
             out[f"baseline_{key[:-2]}_gbps"] = round(nbytes / value / 1e9, 3)
         out["bound"] = (
-            "the receiving rank's bytes: a restarted process receives into memory it never "
-            "touched (baseline_gloo_fresh vs baseline_gloo_warm, first_touch alone), then the "
-            "loader checks (crc32c) and copies each byte into the destination tensors, "
-            "overlapped with the arrival of later chunks; the sender's own load shares the "
-            "machine's cores"
+            "the receiving rank's bytes: the values of its tensors (peer_placed_bytes) arrive "
+            "straight in the destination tensors, memory the process touched before "
+            "(baseline_gloo_warm, not baseline_gloo_fresh), and the loader checks them "
+            "(crc32c) as their items complete, overlapped with the arrival of later chunks; "
+            "the sender's own load (a check and a copy of its shard) shares the machine's cores"
         )
     return out
 

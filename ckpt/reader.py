@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ckpt.checksum import crc32c_of
+from ckpt.checksum import crc32c_extend, crc32c_of, encode_crc32c
 from ckpt.errors import CorruptCheckpointError, ObjectNotFoundError, StateMismatchError
 from ckpt.layout import DCP_METADATA_NAME
 from ckpt.manifest import Manifest
@@ -90,6 +90,43 @@ def load_metadata(raw: bytes, *, url: str = "") -> Metadata:
             f"{url}/{DCP_METADATA_NAME}: not DCP metadata", url=url, path=DCP_METADATA_NAME
         )
     return metadata
+
+
+class Scattered:
+    """Bytes ``[start, start + len)`` of a file as consecutive parts, some of which may
+    already sit in the destination: what a storage returns for a span when it received
+    a tensor item's values straight into the tensor they load into
+    (:mod:`ckpt.memory.restore`), so that nothing is copied twice.
+
+    ``parts``: ``(file offset, uint8 tensor)`` in order, covering the span exactly.
+    ``placed``: item offset -> ``(file offset, bytes)`` of that item's values, received
+    into a destination's memory. The reader checks such an item's crc32c over its parts
+    and commits it only if that part *is* the destination the load resolves (same
+    address and size); anything else is joined and loaded as usual.
+    """
+
+    def __init__(
+        self,
+        start: int,
+        parts: list[tuple[int, torch.Tensor]],
+        placed: dict[int, tuple[int, int]],
+    ) -> None:
+        self.start = start
+        self.parts = parts
+        self.placed = placed
+        self.nbytes = sum(t.numel() for _, t in parts)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def pieces(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        """The parts' views of file bytes ``[start, end)``, in order."""
+        out = []
+        for at, part in self.parts:
+            lo, hi = max(start, at), min(end, at + part.numel())
+            if lo < hi:
+                out.append((lo, part[lo - at : hi - at]))
+        return out
 
 
 class ShardReader(StorageReader):
@@ -235,8 +272,11 @@ class ShardReader(StorageReader):
         return data
 
     def _use_span(
-        self, path: str, start: int, data: bytes, span_items: list[ReadItem], planner: LoadPlanner
+        self, path: str, start: int, data: Any, span_items: list[ReadItem], planner: LoadPlanner
     ) -> None:
+        if isinstance(data, Scattered):
+            self._use_scattered(path, data, span_items, planner)
+            return
         verified: set[int] = set()
         for item in span_items:
             info = self.storage_data[item.storage_index]
@@ -252,6 +292,57 @@ class ShardReader(StorageReader):
                 self._verify_item(path, info.offset, piece)
                 verified.add(info.offset)
             self._deliver(item, piece, planner)
+
+    def _use_scattered(
+        self, path: str, data: Scattered, span_items: list[ReadItem], planner: LoadPlanner
+    ) -> None:
+        verified: set[int] = set()
+        for item in span_items:
+            info = self.storage_data[item.storage_index]
+            pieces = data.pieces(info.offset, info.offset + info.length)
+            if len(pieces) == 1:  # inside one part: the usual bytes
+                piece = memoryview(pieces[0][1].numpy())
+                if info.offset not in verified:
+                    self._verify_item(path, info.offset, piece)
+                    verified.add(info.offset)
+                self._deliver(item, piece, planner)
+                continue
+            if info.offset not in verified:
+                self._verify_parts(path, info.offset, [t for _, t in pieces])
+                verified.add(info.offset)
+            where = data.placed.get(info.offset)
+            if where is not None and item.type != LoadItemType.BYTE_IO:
+                target = planner.resolve_tensor(item).detach()
+                part = next((t for at, t in pieces if at == where[0]), None)
+                if (
+                    part is not None
+                    and part.numel() == where[1] == target.numel() * target.element_size()
+                    and target.is_contiguous()
+                    and part.data_ptr() == target.data_ptr()
+                    and (path, info.offset) in self._item_crcs
+                ):
+                    planner.commit_tensor(item, target)  # the values are already there
+                    continue
+            joined = b"".join(memoryview(t.numpy()) for _, t in pieces)
+            self._deliver(item, joined, planner)
+
+    def _verify_parts(self, path: str, offset: int, parts: list[torch.Tensor]) -> None:
+        expected = self._item_crcs.get((path, offset))
+        if expected is None:
+            return
+        length, crc = expected
+        value = 0
+        for part in parts:
+            value = crc32c_extend(value, memoryview(part.numpy()))
+        actual = encode_crc32c(value)
+        size = sum(p.numel() for p in parts)
+        if length != size or actual != crc:
+            raise CorruptCheckpointError(
+                f"{self.ckpt_dir.url(path)}: bytes [{offset}, {offset + size}) have crc32c "
+                f"{actual}, manifest says {crc}: the file is corrupt",
+                url=self.ckpt_dir.root_url,
+                path=path,
+            )
 
     def _spans(
         self, items: list[ReadItem], max_bytes: int = MAX_READ_SPAN_BYTES

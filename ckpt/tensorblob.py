@@ -145,6 +145,43 @@ class _RecipeUnpickler(pickle.Unpickler):
         return _StorageRef(dtype, str(key), int(numel))
 
 
+def _plain(view: memoryview) -> tuple[_TensorRecipe, int, int]:
+    """The recipe of a plain tensor item and its storage record's ``(offset, size)``."""
+    records = zip_records(view)
+    pkl = [name for name in records if name.endswith("/data.pkl") or name == "data.pkl"]
+    if len(pkl) != 1:
+        raise NotPlain("no data.pkl")
+    prefix = pkl[0][: -len("data.pkl")]
+    order = records.get(prefix + "byteorder")
+    if order is not None:
+        start, size = order
+        if bytes(view[start : start + size]) != sys.byteorder.encode():
+            raise NotPlain("other byte order")
+    start, size = records[pkl[0]]
+    recipe = _RecipeUnpickler(io.BytesIO(view[start : start + size])).load()
+    if not isinstance(recipe, _TensorRecipe):
+        raise NotPlain("not a single tensor")
+    ref = recipe.storage
+    data = records.get(f"{prefix}data/{ref.key}")
+    if data is None:
+        raise NotPlain("storage record missing")
+    start, size = data
+    itemsize = torch.empty((), dtype=ref.dtype).element_size()
+    if size != ref.numel * itemsize:
+        raise NotPlain("storage record has the wrong size")
+    return recipe, start, size
+
+
+_DECODE_ERRORS = (
+    NotPlain,
+    pickle.UnpicklingError,
+    struct.error,
+    ValueError,
+    RuntimeError,
+    EOFError,
+)
+
+
 def view_tensor(buf: bytes | memoryview) -> torch.Tensor | None:
     """A CPU tensor viewing the data inside ``buf`` (a ``torch.save``d tensor), or ``None``.
 
@@ -153,28 +190,8 @@ def view_tensor(buf: bytes | memoryview) -> torch.Tensor | None:
     """
     view = memoryview(buf).cast("B")
     try:
-        records = zip_records(view)
-        pkl = [name for name in records if name.endswith("/data.pkl") or name == "data.pkl"]
-        if len(pkl) != 1:
-            raise NotPlain("no data.pkl")
-        prefix = pkl[0][: -len("data.pkl")]
-        order = records.get(prefix + "byteorder")
-        if order is not None:
-            start, size = order
-            if bytes(view[start : start + size]) != sys.byteorder.encode():
-                raise NotPlain("other byte order")
-        start, size = records[pkl[0]]
-        recipe = _RecipeUnpickler(io.BytesIO(view[start : start + size])).load()
-        if not isinstance(recipe, _TensorRecipe):
-            raise NotPlain("not a single tensor")
+        recipe, start, _size = _plain(view)
         ref = recipe.storage
-        data = records.get(f"{prefix}data/{ref.key}")
-        if data is None:
-            raise NotPlain("storage record missing")
-        start, size = data
-        itemsize = torch.empty((), dtype=ref.dtype).element_size()
-        if size != ref.numel * itemsize:
-            raise NotPlain("storage record has the wrong size")
         if ref.numel == 0:
             flat = torch.empty(0, dtype=ref.dtype)
         else:
@@ -182,5 +199,35 @@ def view_tensor(buf: bytes | memoryview) -> torch.Tensor | None:
                 warnings.simplefilter("ignore")  # read-only buffer: we only read from it
                 flat = torch.frombuffer(view, dtype=ref.dtype, count=ref.numel, offset=start)
         return flat.as_strided(recipe.size, recipe.stride, recipe.storage_offset)
-    except (NotPlain, pickle.UnpicklingError, struct.error, ValueError, RuntimeError, EOFError):
+    except _DECODE_ERRORS:
         return None
+
+
+def data_layout(buf: bytes | memoryview) -> tuple[int, int, str, tuple[int, ...]] | None:
+    """Where a plain, dense, row-major tensor item keeps its values:
+    ``(offset in buf, bytes, dtype name, shape)``; ``None`` for anything else.
+
+    Those bytes are the tensor's memory as is, so a receiver can put them straight
+    into a destination tensor of that dtype and shape (the item's crc32c, over every
+    part, still decides whether they are the saved ones).
+    """
+    view = memoryview(buf).cast("B")
+    try:
+        recipe, start, size = _plain(view)
+    except _DECODE_ERRORS:
+        return None
+    numel = 1
+    for dim in recipe.size:
+        numel *= dim
+    row_major, step = [], 1
+    for dim in reversed(recipe.size):
+        row_major.append(step)
+        step *= max(dim, 1)
+    if (
+        numel == 0
+        or recipe.storage_offset != 0
+        or numel != recipe.storage.numel
+        or tuple(reversed(row_major)) != recipe.stride
+    ):
+        return None
+    return start, size, str(recipe.storage.dtype), recipe.size

@@ -35,11 +35,9 @@ Wrap = Callable[[list[str]], list[str]]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-RDZV_CONF = (
-    "is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
-)
-"""c10d's settings (whole seconds are its floor)."""
-FT_RDZV_CONF = "is_host=0,join_timeout=60"
+RDZV_CONF = "is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
+"""c10d's settings (whole seconds are its floor); ``join_timeout`` is the job's."""
+FT_RDZV_CONF = "is_host=0"
 """``--rdzv_backend=ft`` (elastic/rendezvous.py): its sub-second defaults otherwise."""
 BACKENDS = ("c10d", "ft")
 
@@ -117,6 +115,9 @@ class ElasticJob:
     """Address of the rendezvous store, as agents reach it."""
     store_wrap: Wrap | None = None
     """Where the store runs (default: here): e.g. ``Host.wrap`` of a namespace of its own."""
+    join_timeout_s: int = 60
+    """How long an agent waits for a round to reach min nodes before it gives up (exit 1):
+    shorter where a scenario leaves one agent alone on purpose."""
     agents: list[Agent] = field(default_factory=list)
     frozen: dict[str, list[int]] = field(default_factory=dict)
     """Pids SIGSTOPped by :meth:`freeze_node`, by agent name (killed, then continued, at close)."""
@@ -142,7 +143,8 @@ class ElasticJob:
 
     @property
     def rdzv_conf(self) -> str:
-        return RDZV_CONF if self.rdzv_backend == "c10d" else FT_RDZV_CONF
+        conf = RDZV_CONF if self.rdzv_backend == "c10d" else FT_RDZV_CONF
+        return f"{conf},join_timeout={self.join_timeout_s}"
 
     @property
     def run_dir(self) -> str:

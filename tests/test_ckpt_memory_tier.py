@@ -124,9 +124,24 @@ def _resume(
         "events": events,
         "old_world": info.old_world_size if info else None,
         "transfer": dict(manager._memory.last_restore),
+        "local_bytes": _local_tensor_bytes(state),
     }
     manager.close()
     return out
+
+
+def _local_tensor_bytes(state) -> int:
+    """Bytes of this rank's shards of the parameters and of AdamW's moments."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for param in state["model"].parameters():
+        total += param.to_local().numel() * param.element_size()
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment = state["optim"].state[param][key]
+            local = moment.to_local() if isinstance(moment, DTensor) else moment
+            total += local.numel() * local.element_size()
+    return total
 
 
 def _event(events, name):
@@ -249,11 +264,20 @@ def test_a_lost_node_at_the_same_world_size_receives_its_shard_in_chunks(tmp_pat
     sent, received = got[0]["transfer"], got[1]["transfer"]
     assert received["received_bytes"] > 1000 and received["chunks"] > 5, received
     assert sent["sent_bytes"] == received["received_bytes"] and sent["received_bytes"] == 0
+    # The values of rank 1's shards went straight into its parameters and AdamW state
+    # (no buffer, no copy); only the items' headers (and the step scalars) did not.
+    assert got[1]["local_bytes"] <= received["placed_bytes"] < received["received_bytes"]
+    assert sent["placed_bytes"] == 0
     assert not [e for e in got[0]["events"] if e[0] == "fallback"]
 
 
-def test_a_flipped_byte_in_a_chunk_received_from_the_peer_is_rejected(tmp_path):
+@pytest.mark.parametrize("where", ["item", "values"])
+def test_a_flipped_byte_in_a_chunk_received_from_the_peer_is_rejected(tmp_path, where):
+    """``values``: the byte is in the weight's values, which rank 1 receives straight into
+    its parameter: the item's crc32c over its parts catches it, and the durable resume
+    then overwrites what landed there."""
     from ckpt.reader import load_metadata
+    from ckpt.tensorblob import data_layout
 
     root = str(tmp_path / "ckpt")
     nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
@@ -268,9 +292,15 @@ def test_a_flipped_byte_in_a_chunk_received_from_the_peer_is_rejected(tmp_path):
         for k, v in storage.items()
         if k.fqn == "model.0.weight" and v.relative_path == "rank_00001.distcp"
     ]
+    path = os.path.join(replica_dir, "rank_00001.distcp")
     flipped = info.offset + info.length // 2
+    if where == "values":
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            start, size, _, _ = data_layout(f.read(info.length))
+        flipped = info.offset + start + size // 2
     assert flipped > 200
-    _flip_byte(os.path.join(replica_dir, "rank_00001.distcp"), flipped)
+    _flip_byte(path, flipped)
     import shutil
 
     shutil.rmtree(nodes[1])
@@ -422,3 +452,32 @@ def test_memory_snapshots_are_dropped_once_the_durable_tier_has_caught_up(tmp_pa
 def test_memory_every_is_validated():
     with pytest.raises(ValueError, match="memory_every"):
         ckpt.CheckpointManager("/tmp/x", {}, memory_every=-1)
+
+
+def test_only_items_loaded_whole_into_their_own_memory_are_received_in_place(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt.memory.restore import _plan_reads
+    from ckpt.reader import load_metadata
+
+    saved = {"a": torch.randn(4, 3), "b": torch.randn(4, 3), "n": 5}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    with open(tmp_path / ".metadata", "rb") as f:
+        metadata = load_metadata(f.read())
+
+    def in_place(template) -> set[str]:
+        _, whole = _plan_reads(template, metadata)
+        return {
+            key
+            for per in whole.values()
+            for off, tensor in per.items()
+            for key, value in template.items()
+            if isinstance(value, torch.Tensor) and value.data_ptr() == tensor.data_ptr()
+        }
+
+    own = {"a": torch.zeros(4, 3), "b": torch.zeros(4, 3), "n": 0}
+    assert in_place(own) == {"a", "b"}  # the plain value "n" never is
+    tied = torch.zeros(4, 3)  # two items, one memory (tied weights): loaded as usual
+    assert in_place({"a": tied, "b": tied, "n": 0}) == set()
+    assert in_place({"a": torch.zeros(4, 3).t().contiguous().t(), "b": own["b"], "n": 0}) == {"b"}
+    assert in_place({"a": torch.zeros(4, 3, dtype=torch.float64), "b": own["b"], "n": 0}) == {"b"}

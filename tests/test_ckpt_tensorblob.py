@@ -9,7 +9,7 @@ import torch
 
 import ckpt
 from ckpt import reader as reader_mod
-from ckpt.tensorblob import view_tensor
+from ckpt.tensorblob import data_layout, view_tensor
 
 
 def saved(obj) -> bytes:
@@ -59,6 +59,29 @@ def test_view_equals_torch_load(name):
 )
 def test_anything_but_a_plain_tensor_is_left_to_torch_load(raw):
     assert view_tensor(raw) is None
+
+
+@pytest.mark.parametrize("name", ["fp32", "scalar", "bf16", "bool"])
+def test_data_layout_of_a_dense_tensor_is_where_its_bytes_are(name):
+    tensor = CASES[name]()
+    raw = saved(tensor)
+    start, size, dtype, shape = data_layout(raw)
+    assert (size, dtype, shape) == (
+        tensor.numel() * tensor.element_size(),
+        str(tensor.dtype),
+        tuple(tensor.shape),
+    )
+    assert (
+        raw[start : start + size]
+        == tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    )
+
+
+@pytest.mark.parametrize("name", ["transposed", "offset_view", "strided_2d", "empty"])
+def test_data_layout_refuses_what_is_not_a_dense_row_major_tensor(name):
+    # Its stored bytes are not the destination's memory as is: a receiver must not
+    # put them into a tensor directly.
+    assert data_layout(saved(CASES[name]())) is None
 
 
 def test_truncated_item_is_not_decoded():

@@ -200,7 +200,8 @@ def test_max_restarts_exhausted_fails_clearly_and_last_checkpoint_verifies(job_f
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigterm_emergency_checkpoint_then_new_launch_resumes(job_factory, backend):
-    job = job_factory("preempt", rdzv_backend=backend)
+    # The agent left alone gives up after its join timeout (15 s, not 60: nothing joins).
+    job = job_factory("preempt", rdzv_backend=backend, join_timeout_s=15)
     agents = [job.add_agent(), job.add_agent()]
     job.wait_for(lambda: job.last_step() >= 8, 150, "step 8")
     job.sigterm_agent(agents[1])
