@@ -49,9 +49,11 @@ PHASE_TIMEOUT_S = 60.0
 PHASES = ("first_round_s", "reround_s", "reround_after_death_s")
 
 
-def _agent(backend, port, n, index, events, results) -> None:
+def _agent(backend, port, n, index, events, results, store_up) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    store_up.wait()  # connect once the store listens (no client retries and back-off)
 
     params = RendezvousParameters(
         backend=backend,
@@ -127,10 +129,21 @@ def simulate(
 
     ctx = mp.get_context("fork")
     port = free_port()
+    # torch's socket code looks up the name of a connecting peer (getnameinfo); where no
+    # DNS server answers (this machine), a lookup the hosts file cannot answer waits out
+    # the resolver's timeout, 5 s, twice: 128 agents took ~40 s to connect, against ~1 s
+    # for their rounds (2026-11-26). Nothing timed changes: the agents connect before
+    # the first round. A RES_OPTIONS already set is kept.
+    resolver = os.environ.get("RES_OPTIONS")
+    if resolver is None:
+        os.environ["RES_OPTIONS"] = "timeout:1 attempts:1"
     events = [ctx.Event() for _ in PHASES]
+    store_up = ctx.Event()
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_agent, args=(backend, port, n, i, events, results), daemon=True)
+        ctx.Process(
+            target=_agent, args=(backend, port, n, i, events, results, store_up), daemon=True
+        )
         for i in range(n)
     ]
     # Children are forked before this process starts the store's threads.
@@ -138,6 +151,7 @@ def simulate(
         p.start()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
     store.set_timeout(timedelta(seconds=timeout_s))
+    store_up.set()
     deadline = time.monotonic() + timeout_s
     out: dict[str, Any] = {"backend": backend, "n": n}
     try:
@@ -166,6 +180,8 @@ def simulate(
         for p in procs:
             p.join(timeout=10)
         del store
+        if resolver is None:
+            os.environ.pop("RES_OPTIONS", None)
     return out
 
 
