@@ -18,6 +18,7 @@ import torch
 
 import ckpt
 import elastic
+from ckpt import reader as reader_mod
 from testing.spawn import run_ok
 
 pytestmark = pytest.mark.timeout(300)
@@ -481,3 +482,77 @@ def test_only_items_loaded_whole_into_their_own_memory_are_received_in_place(tmp
     assert in_place({"a": tied, "b": tied, "n": 0}) == set()
     assert in_place({"a": torch.zeros(4, 3).t().contiguous().t(), "b": own["b"], "n": 0}) == {"b"}
     assert in_place({"a": torch.zeros(4, 3, dtype=torch.float64), "b": own["b"], "n": 0}) == {"b"}
+
+
+def _scattered_load(tmp_path, monkeypatch, *, into_target: bool, flip: bool = False):
+    """Load a checkpoint whose weight item is served as three parts (header, values,
+    trailer), the values in ``target["w"]`` itself (what a peer restore receives) or in a
+    buffer of their own; returns the target and the items the loader decoded."""
+    from ckpt.layout import checkpoint_dirname
+    from ckpt.memory import fs as memory_fs
+    from ckpt.reader import load_metadata
+    from ckpt.tensorblob import data_layout
+
+    saved = {"w": torch.randn(16, 8), "n": 3}
+    root = str(tmp_path / "root")
+    ckpt.save(saved, root, 1)
+    dirname = checkpoint_dirname(1)
+    raw = {}
+    for name in os.listdir(os.path.join(root, dirname)):
+        with open(os.path.join(root, dirname, name), "rb") as f:
+            raw[name] = f.read()
+    [info] = [v for k, v in load_metadata(raw[".metadata"]).storage_data.items() if k.fqn == "w"]
+    data = raw[info.relative_path]
+    start, size, _, _ = data_layout(data[info.offset : info.offset + info.length])
+    lo, hi = info.offset + start, info.offset + start + size
+    target = {"w": torch.zeros(16, 8), "n": 0}
+    values = (
+        target["w"].view(-1).view(torch.uint8)
+        if into_target
+        else torch.empty(size, dtype=torch.uint8)
+    )
+    values.copy_(torch.frombuffer(bytearray(data[lo:hi]), dtype=torch.uint8))
+    if flip:
+        values[size // 2] ^= 1
+    pieces = [
+        memory_fs.Arriving(0, torch.frombuffer(bytearray(data[:lo]), dtype=torch.uint8), "head"),
+        memory_fs.Arriving(lo, values, "values"),
+        memory_fs.Arriving(hi, torch.frombuffer(bytearray(data[hi:]), dtype=torch.uint8), "tail"),
+    ]
+    files = {
+        f"{dirname}/{n}": memory_fs.BytesFile(b) for n, b in raw.items() if n != info.relative_path
+    }
+    files[f"{dirname}/{info.relative_path}"] = memory_fs.PiecesFile(
+        len(data), pieces, {info.offset: (lo, size)}
+    )
+    decoded: list[str] = []
+    real = reader_mod.ShardReader._deliver
+    monkeypatch.setattr(
+        reader_mod.ShardReader, "_deliver",
+        staticmethod(lambda item, piece, planner: (decoded.append(item.dest_index.fqn), real(item, piece, planner))),
+    )  # fmt: skip
+    url = memory_fs.register(f"t-{into_target}-{flip}", files)
+    try:
+        ckpt.load(target, url, step=1, quarantine=False)
+    finally:
+        memory_fs.release(url.split("://", 1)[1])
+    return saved, target, decoded
+
+
+def test_values_received_into_their_destination_are_checked_and_used_in_place(
+    tmp_path, monkeypatch
+):
+    saved, target, decoded = _scattered_load(tmp_path, monkeypatch, into_target=True)
+    assert torch.equal(target["w"], saved["w"]) and target["n"] == 3
+    assert decoded == ["n"]  # the weight was committed where it already was
+
+
+def test_values_in_a_buffer_of_their_own_are_joined_and_loaded_as_usual(tmp_path, monkeypatch):
+    saved, target, decoded = _scattered_load(tmp_path, monkeypatch, into_target=False)
+    assert torch.equal(target["w"], saved["w"]) and target["n"] == 3
+    assert sorted(decoded) == ["n", "w"]
+
+
+def test_a_flipped_byte_in_values_received_in_place_fails_the_item_check(tmp_path, monkeypatch):
+    with pytest.raises(ckpt.CorruptCheckpointError, match="crc32c"):
+        _scattered_load(tmp_path, monkeypatch, into_target=True, flip=True)
