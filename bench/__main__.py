@@ -69,6 +69,9 @@ class Mode:
     spawn_rounds: int
     """Rounds of the measurements that spawn processes per sample (reshard loads,
     trainer vs plain-loop runs): each costs a process start per side."""
+    async_rounds: int
+    """Rounds of async_stall and persist_interference (each saves the whole state three
+    times, then persists it once more under training steps)."""
     memory: memory_tier.Mode
     """The mode of :mod:`bench.memory_tier` (memory_tier_stall, peer_restore_vs_disk)."""
     rendezvous_n: tuple[int, ...]
@@ -86,6 +89,7 @@ QUICK = Mode(
     elastic_jobs=False,
     silent_runs=0,
     spawn_rounds=2,
+    async_rounds=3,
     memory=memory_tier.QUICK,
     rendezvous_n=rdzv.QUICK_N,
 )
@@ -99,7 +103,8 @@ FULL = Mode(
     train_steps=45,
     elastic_jobs=True,
     silent_runs=2,
-    spawn_rounds=5,
+    spawn_rounds=3,
+    async_rounds=3,
     memory=memory_tier.FULL,
     rendezvous_n=rdzv.FULL_N,
 )
@@ -116,9 +121,21 @@ ELASTIC_CKPT_EVERY = 10
 RDZV_SIM_TIMEOUT_S = 600.0
 """Bound of one rendezvous simulation (one backend, one N: starting its agents, its rounds)."""
 RDZV_PHASE_TIMEOUT_S = 60.0
-"""Bound of one round of a simulation; c10d's round of 128 or 256 agents on 2 cores does not
-end (none in 120 s, 2026-11-25). Its lower bound of 60 s against ``ft``'s ~1 s round still
-decides the <= 1/3 target by far, at half the wait of 120 s per backend and N."""
+"""Bound of one round of a simulation up to N = 32 (c10d's first round of 32 agents took
+48 s on 2 cores, 2026-11-26)."""
+RDZV_LARGE_N = 128
+RDZV_LARGE_PHASE_TIMEOUT_S = 30.0
+"""Bound of one round from ``RDZV_LARGE_N`` agents on. c10d's round of 128 or 256 agents
+on 2 cores does not end (none in 120 s, 2026-11-25; none in 60 s, 2026-11-26); its lower
+bound of 30 s against ``ft``'s ~2.5 s round at 256 still decides the <= 1/3 target by far,
+at a quarter of the wait of 120 s per backend and N."""
+
+
+def rdzv_phase_timeout_s(n: int) -> float:
+    """The round bound of a simulation of ``n`` agents."""
+    return RDZV_LARGE_PHASE_TIMEOUT_S if n >= RDZV_LARGE_N else RDZV_PHASE_TIMEOUT_S
+
+
 OURS_RDZV = "ft"
 """The rendezvous backend of the elastic and silent-node jobs (elastic/rendezvous.py);
 restart_overhead's detail has the same kill on torchrun's c10d beside it."""
@@ -160,7 +177,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help=f"64 MB state instead of 1 GB, {QUICK.rounds} rounds instead of {FULL.rounds} "
         f"({QUICK.spawn_rounds} instead of {FULL.spawn_rounds} for reshard_load and "
-        "trainer_overhead, which start processes per sample), "
+        "trainer_overhead, which start processes per sample; "
+        f"{QUICK.async_rounds} for async_stall and persist_interference in both), "
         "smaller async/gcs states, shorter training runs, bench.memory_tier's quick mode "
         f"({q.stall_rounds} instead of {f.stall_rounds} stall rounds of {q.stall_steps} "
         f"instead of {f.stall_steps} steps, {q.restore_rounds} instead of {f.restore_rounds} "
@@ -256,7 +274,7 @@ def _async(work: str, mode: Mode) -> list[m.Metric]:
         RANKS,
         work,
         layer_width(mode.persist_bytes),
-        mode.rounds,
+        mode.async_rounds,
         WARMUP_STEPS,
         timeout_s=mode.timeout_s,
     )[0]
@@ -442,7 +460,7 @@ def _silent(work: str, mode: Mode) -> list[m.Metric]:
 def _rendezvous(mode: Mode) -> list[m.Metric]:
     """rendezvous_vs_c10d: handler-only agents against one store, c10d and ft side by side.
 
-    A phase that does not finish within ``RDZV_PHASE_TIMEOUT_S`` ends that simulation (the
+    A phase that does not finish within :func:`rdzv_phase_timeout_s` ends that simulation (the
     row says which phase and how long it ran); a simulation that fails otherwise, or does
     not get its agents started within ``RDZV_SIM_TIMEOUT_S``, is a row with an ``error``,
     and that backend is not run at larger N (a skipped row)."""
@@ -462,7 +480,7 @@ def _rendezvous(mode: Mode) -> list[m.Metric]:
                     backend,
                     n,
                     timeout_s=min(mode.timeout_s, RDZV_SIM_TIMEOUT_S),
-                    phase_timeout_s=RDZV_PHASE_TIMEOUT_S,
+                    phase_timeout_s=rdzv_phase_timeout_s(n),
                 )
             except Exception as exc:
                 failed[backend] = n

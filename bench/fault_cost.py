@@ -16,7 +16,13 @@ logs (:func:`fault_cost`, pure):
   looks for a checkpoint), ``load_s`` (the manager's ``resume`` event: tier choice,
   assembly or read, load) and ``other_s`` (the rest: bookkeeping up to the first step);
 - ``fault_cost_s`` = (``downtime_s`` + ``rerun_time_s``) / kills, the totals of
-  :func:`trainer.report.summarize`; ``goodput`` from the same summary is ``ettr``.
+  :func:`trainer.report.summarize`; ``goodput`` from the same summary is ``ettr``;
+- per kill also ``first_step_s`` (the first step after the resume) and
+  ``first_step_excess_s`` (it minus the job's median step time, at least 0): cold costs
+  of a new process that a resume does not pay are paid there (the first ``optimizer.step()``
+  computes DTensor's sharding propagation of every op of the step), and the downtime ends
+  where that step starts. ``fault_cost_with_first_step_s`` adds them: (``downtime_s`` +
+  ``rerun_time_s`` + the excesses) / kills.
 
 The kills are spaced for a fault about every ``FAULT_EVERY_S`` seconds of training with
 the memory tier on: the tiny GPT's steps measured in a full bench run on a quiet machine
@@ -122,13 +128,15 @@ def fault_cost(
     year = datetime.datetime.fromtimestamp(float(metrics[0]["time"])).year
     marks = log_marks(logs or [], year)
     per_kill: list[dict[str, Any]] = []
+    step_median = statistics.median(float(r["step_time_s"]) for r in metrics)
     begin = 0
     for i in starts:
         prev, row = metrics[i - 1], metrics[i]
         last, first = float(prev["time"]), float(row["time"])
         rerun = [j for j in range(begin, i) if mask[j]]
         rerun_s = sum(float(metrics[j]["step_time_s"]) for j in rerun)
-        downtime = max(0.0, first - float(row["step_time_s"]) - last)
+        first_step = float(row["step_time_s"])
+        downtime = max(0.0, first - first_step - last)
         resume = _in(events, ev.RESUME, last, first)
         loaded = _in(events, ev.CHECKPOINT_LOADED, last, first)
         source = resume or loaded
@@ -144,6 +152,8 @@ def fault_cost(
             "lost_s": downtime + rerun_s,
             "load_s": load_s,
             "restart_s": downtime - load_s,
+            "first_step_s": first_step,
+            "first_step_excess_s": max(0.0, first_step - step_median),
         }
         gap = [(t, k) for t, k in marks if last <= t <= first]
         failed = next((t for t, k in gap if k == "failed"), None)
@@ -157,9 +167,13 @@ def fault_cost(
         per_kill.append(item)
         begin = i
     n = len(starts)
+    excess = sum(k["first_step_excess_s"] for k in per_kill)
+    lost = summary.downtime_s + summary.rerun_time_s
     return {
         "kills": n,
-        "fault_cost_s": (summary.downtime_s + summary.rerun_time_s) / n if n else math.nan,
+        "fault_cost_s": lost / n if n else math.nan,
+        "fault_cost_with_first_step_s": (lost + excess) / n if n else math.nan,
+        "first_step_excess_s": excess,
         "downtime_s": summary.downtime_s,
         "rerun_time_s": summary.rerun_time_s,
         "rerun_steps": summary.rerun_steps,
@@ -167,15 +181,16 @@ def fault_cost(
         "wall_time_s": summary.wall_time_s,
         "productive_time_s": summary.productive_time_s,
         "mean_s_between_faults": summary.wall_time_s / (n + 1),
-        "step_time_median_s": statistics.median(float(r["step_time_s"]) for r in metrics),
+        "step_time_median_s": step_median,
         "per_kill": per_kill,
     }
 
 
 def phase_medians(per_kill: list[dict[str, Any]]) -> dict[str, float]:
-    """Median of each of :data:`PHASES` and of ``lost_s`` over the kills that have it."""
+    """Median of each of :data:`PHASES`, of ``lost_s`` and of the first step's time and
+    excess over the kills that have it."""
     out = {}
-    for key in (*PHASES, "lost_s"):
+    for key in (*PHASES, "lost_s", "first_step_s", "first_step_excess_s"):
         values = [float(k[key]) for k in per_kill if key in k]
         if values:
             out[key] = statistics.median(values)

@@ -79,7 +79,7 @@ class Mode:
 QUICK = Mode(
     "quick", stall_rounds=3, stall_steps=10, restore_bytes=64 << 20, restore_rounds=2, timeout_s=300
 )
-FULL = Mode("full", stall_rounds=8, stall_steps=20, restore_bytes=512 << 20, restore_rounds=5, timeout_s=900)  # fmt: skip
+FULL = Mode("full", stall_rounds=5, stall_steps=20, restore_bytes=512 << 20, restore_rounds=3, timeout_s=900)  # fmt: skip
 
 
 def _node(memory: str, rank: int) -> str:

@@ -485,6 +485,8 @@ def fault_cost_metric(ours: dict[str, Any], base: dict[str, Any], **extra: Any) 
                 "wall_time_s", "mean_s_between_faults", "step_time_median_s")  # fmt: skip
         return {
             "fault_cost_s": _r(cost["fault_cost_s"]),
+            "fault_cost_with_first_step_s": _r(cost["fault_cost_with_first_step_s"]),
+            "first_step_excess_s": _r(cost["first_step_excess_s"]),
             **{k: _rounded(cost[k]) for k in keys},
             "median_per_kill_s": _rounded(phase_medians(cost["per_kill"])),
             "per_kill": _rounded(cost["per_kill"]),
@@ -500,6 +502,10 @@ def fault_cost_metric(ours: dict[str, Any], base: dict[str, Any], **extra: Any) 
             "vs_baseline": _r(value / baseline) if baseline else math.nan,
             "value_is": "(downtime + re-run step time) / kills, trainer.report.summarize totals "
             "of the memory-tier job; baseline: the same job, durable tier only",
+            "ours_with_first_step_s": _r(ours["fault_cost_with_first_step_s"]),
+            "baseline_with_first_step_s": _r(base["fault_cost_with_first_step_s"]),
+            "with_first_step_is": "(downtime + re-run step time + each first step's time "
+            "above the job's median step) / kills",
             "memory_tier": side(ours),
             "durable_only": side(base),
             **extra,

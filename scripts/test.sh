@@ -19,4 +19,4 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null ||
     fi
 fi
 ruff check .
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider --durations=40 "$@"

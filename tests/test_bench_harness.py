@@ -487,6 +487,28 @@ def test_fault_cost_is_downtime_plus_rerun_per_kill():
     assert med["lost_s"] == pytest.approx((14.5 + 5.75) / 2)
 
 
+def test_fault_cost_counts_a_slow_first_step_after_the_resume_apart():
+    from bench.fault_cost import fault_cost, phase_medians
+
+    rows, events, logs = _two_kills()
+    assert rows[6]["step"] == 5 and rows[6]["restart_count"] == 1  # first step of attempt 1
+    plain = fault_cost(rows, events, logs, kills=2)
+    assert plain["first_step_excess_s"] == 0.0  # both first steps at (or under) the median
+    assert plain["fault_cost_with_first_step_s"] == pytest.approx(plain["fault_cost_s"])
+    rows[6] = _row(5, 20, 1, step_time=1.5)  # same end, 1 s slower than the median 0.5
+    cost = fault_cost(rows, events, logs, kills=2)
+    first, second = cost["per_kill"]
+    assert first["first_step_s"] == 1.5 and first["first_step_excess_s"] == pytest.approx(1.0)
+    assert second["first_step_s"] == 0.25 and second["first_step_excess_s"] == 0.0
+    assert first["downtime_s"] == pytest.approx(20 - 1.5 - 6)  # ends where that step starts
+    assert cost["first_step_excess_s"] == pytest.approx(1.0)
+    assert cost["fault_cost_with_first_step_s"] == pytest.approx(cost["fault_cost_s"] + 0.5)
+    assert phase_medians(cost["per_kill"])["first_step_excess_s"] == pytest.approx(0.5)
+    detail = m.fault_cost_metric(cost, plain).detail
+    assert detail["ours_with_first_step_s"] == pytest.approx(cost["fault_cost_s"] + 0.5)
+    assert detail["memory_tier"]["first_step_excess_s"] == pytest.approx(1.0)
+
+
 def test_fault_cost_refuses_a_run_whose_restarts_are_not_the_kills():
     from bench.fault_cost import fault_cost
 

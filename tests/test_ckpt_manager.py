@@ -141,6 +141,93 @@ def test_saving_and_resuming_an_optimizer_that_never_stepped_leaves_it_fresh(tmp
     assert torch.equal(model2[0].weight, model[0].weight)
 
 
+# -- an Adam template's state without DCP's zero step ---------------------------------------
+
+
+def _first_steps(optim_cls, init: bool, **kwargs) -> tuple[list[float], list[torch.Tensor]]:
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
+    model[2].bias.requires_grad_(False)
+    optim = optim_cls(model.parameters(), lr=1e-2, **kwargs)
+    if init:
+        assert ckpt.app_state.init_adam_state(optim)
+        assert model[2].bias not in optim.state  # no grad, no state (as Adam's own init)
+    x = torch.linspace(-1, 1, 24).reshape(4, 6)
+    losses = []
+    for _ in range(3):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "optim_cls, kwargs",
+    [(torch.optim.AdamW, {}), (torch.optim.Adam, {"amsgrad": True, "weight_decay": 0.1})],
+)
+def test_adam_state_made_ahead_of_the_first_step_trains_as_a_fresh_optimizer(optim_cls, kwargs):
+    fresh_losses, fresh_params = _first_steps(optim_cls, False, **kwargs)
+    losses, params = _first_steps(optim_cls, True, **kwargs)
+    assert losses == fresh_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, fresh_params, strict=True))
+
+
+def test_adam_state_is_not_made_for_other_optimizers_or_ones_with_state():
+    from torch import nn
+
+    class MyAdam(torch.optim.AdamW):
+        pass
+
+    model = nn.Linear(3, 2)
+    for optim in (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        MyAdam(model.parameters()),
+    ):
+        assert not ckpt.app_state.init_adam_state(optim) and not optim.state
+    stepped = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    assert not ckpt.app_state.init_adam_state(stepped)  # grads present: DCP's path
+    stepped.step()
+    before = {k: dict(v) for k, v in stepped.state.items()}
+    assert not ckpt.app_state.init_adam_state(stepped)
+    assert {k: dict(v) for k, v in stepped.state.items()} == before
+
+
+def _adam_templates(rank: int, world: int) -> list[tuple]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for ours in (True, False):
+        model, optim = _model_and_optim(shard=True)
+        if ours:
+            assert ckpt.app_state.init_adam_state(optim)
+        sd = get_optimizer_state_dict(model, optim)
+        rows = []
+        for fqn, entry in sorted(sd["state"].items()):
+            for name, value in sorted(entry.items()):
+                row = [fqn, name, type(value).__name__, str(value.dtype), tuple(value.shape)]
+                if isinstance(value, DTensor):
+                    row += [str(value.placements), tuple(value.to_local().shape)]
+                    value = value.to_local()
+                row.append(value.tolist() if name != "step" else None)
+                rows.append(tuple(row))
+        steps = sorted({float(e["step"]) for e in sd["state"].values()})
+        out.append((rows, steps, sd["param_groups"][0]["lr"]))
+    return out
+
+
+def test_fsdp2_adam_template_matches_dcps_zero_step_except_the_step_counter():
+    for ours, dcp in run_ok(_adam_templates, 2):
+        assert ours[0] == dcp[0] and ours[0]  # same entries, shapes, placements, zeros
+        assert ours[1] == [0.0] and dcp[1] == [1.0]  # DCP's zero step counted one step
+        assert ours[2] == dcp[2] == 1e-2
+
+
 # -- scheduler, sampler and plain values across world sizes ---------------------------------
 
 
