@@ -68,7 +68,7 @@ class Mode:
     """3-agent torchrun jobs with a frozen node (silent_node_loss); 0: not run."""
     spawn_rounds: int
     """Rounds of the measurements that spawn processes per sample (reshard loads,
-    trainer vs plain-loop runs): each costs a process start per side."""
+    trainer vs plain-loop runs, exports): each costs a process start per side."""
     async_rounds: int
     """Rounds of async_stall and persist_interference (each saves the whole state three
     times, then persists it once more under training steps)."""
@@ -176,8 +176,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help=f"64 MB state instead of 1 GB, {QUICK.rounds} rounds instead of {FULL.rounds} "
-        f"({QUICK.spawn_rounds} instead of {FULL.spawn_rounds} for reshard_load and "
-        "trainer_overhead, which start processes per sample; "
+        f"({QUICK.spawn_rounds} instead of {FULL.spawn_rounds} for reshard_load, "
+        "trainer_overhead and the export group, which start processes per sample; "
         f"{QUICK.async_rounds} for async_stall and persist_interference in both), "
         "smaller async/gcs states, shorter training runs, bench.memory_tier's quick mode "
         f"({q.stall_rounds} instead of {f.stall_rounds} stall rounds of {q.stall_steps} "
@@ -337,7 +337,7 @@ def _memory(work: str, mode: Mode) -> list[m.Metric]:
 def _export(work: str, mode: Mode) -> list[m.Metric]:
     """export_memory, export_vs_read: ckpt.export of a ``total_bytes`` checkpoint (bench/export.py)."""
     width = layer_width(max(mode.total_bytes, EXPORT_MIN_BYTES))
-    raw = export_rounds(work, width, mode.rounds, mode.timeout_s)
+    raw = export_rounds(work, width, mode.spawn_rounds, mode.timeout_s)
     return export_metrics(raw)
 
 
@@ -491,8 +491,13 @@ def _rendezvous(mode: Mode) -> list[m.Metric]:
     return [m.rendezvous_metric(rows)]
 
 
-def _progress(text: str) -> None:
-    print(f"bench: {text}", file=sys.stderr, flush=True)
+_RUN_STARTED: list[float] = []
+"""When this run's first task started (``time.monotonic()``): progress lines say the elapsed time."""
+
+
+def _progress(text: str, elapsed: bool = True) -> None:
+    when = f" (elapsed {time.monotonic() - _RUN_STARTED[0]:.0f} s)" if _RUN_STARTED and elapsed else ""
+    print(f"bench: {text}{when}", file=sys.stderr, flush=True)
 
 
 def task_done_line(
@@ -548,11 +553,13 @@ def main(argv: list[str] | None = None) -> int:
         **_machine(work),
     }
     started = time.monotonic()
+    _RUN_STARTED[:] = [started]
     produced: list[m.Metric] = []
     errors: dict[str, list[str]] = {}
     todo = [t for t in tasks(work, mode) if t[0] in selected]
     _progress(
-        f"mode={mode.name}, {len(todo)} task(s) in group(s) {','.join(selected)}; work dir {work}"
+        f"mode={mode.name}, {len(todo)} task(s) in group(s) {','.join(selected)}; work dir {work}",
+        elapsed=False,
     )
     try:
         for i, (group, what, task) in enumerate(todo, 1):
@@ -569,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
                     time.monotonic() - t0,
                     time.monotonic() - started,
                     got,
-                )
+                ),
+                elapsed=False,
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -26,8 +26,9 @@ Two metrics, each against its baseline measured in the same run, printed as JSON
   ``load_vs_disk``). Each sample is a fresh pair of processes: build the state with
   another seed, one untimed resume (imports, code paths), then the timed one
   (barrier -> resume -> barrier). detail also has the restore with both nodes intact (a
-  killed worker: every shard is on its node), the warm disk restore and the memory
-  restore's phases; every restore is checked against the saved state (sha256).
+  killed worker: every shard is on its node), from the first round only the warm disk
+  restore and the one from the GCS emulator, and the memory restore's phases; every
+  restore is checked against the saved state (sha256).
   What bounds the peer restore, measured in the same processes right after each timed
   peer restore (:func:`transfer_baseline`): one gloo send/recv of the shipped bytes into
   a buffer touched before (the loopback) and into a new one (what a restarted process
@@ -61,9 +62,15 @@ from runcore import events as ev
 
 TARGETS = {name: ALL_TARGETS[name] for name in GROUPS["memory"]}
 """This module's two metrics, with the targets of the one table (:data:`bench.metrics.TARGETS`)."""
-K_VALUES = (1, 2, 5)
+K_VALUES = (1, 5)
+"""The snapshot intervals of memory_tier_stall: every step (the worst case) and the headline's."""
 HEADLINE_K = 5
 RANKS = 2
+CORE_SIDES = ("memory_peer", "disk_cold", "memory_intact")
+"""The restores of every round of peer_restore_vs_disk: its two sides and the intact one."""
+EXTRA_SIDES = ("disk_warm", "gcs")
+"""Restores in the first round only (one sample each, for the detail): the warm disk and,
+when fake-gcs-server is here, the emulated object store."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,15 +397,16 @@ def restore_rounds(work: str, memory: str, mode: Mode, gcs_root: str | None) -> 
     )[0]
     backup = os.path.join(memory, "node1-backup")
     shutil.copytree(_node(memory, 1), backup)
-    sides = ["memory_peer", "disk_cold", "memory_intact", "disk_warm"]
-    sides += ["gcs"] if gcs_root is not None else []
-    times: dict[str, list[float]] = {s: [] for s in sides}
-    phases: dict[str, list[Any]] = {s: [] for s in sides}
+    extra = list(EXTRA_SIDES) if gcs_root is not None else [EXTRA_SIDES[0]]
+    times: dict[str, list[float]] = {s: [] for s in CORE_SIDES + tuple(extra)}
+    phases: dict[str, list[Any]] = {s: [] for s in times}
     transfers: dict[str, list[Any]] = {"memory_peer": [], "memory_intact": []}
     baselines: list[dict[str, float]] = []
     methods = set()
     for i in range(mode.restore_rounds):
-        for side in sides[i % len(sides) :] + sides[: i % len(sides)]:
+        n = len(CORE_SIDES)
+        order = list(CORE_SIDES[i % n :] + CORE_SIDES[: i % n]) + (extra if i == 0 else [])
+        for side in order:
             shutil.rmtree(_node(memory, 1), ignore_errors=True)
             if side != "memory_peer":
                 shutil.copytree(backup, _node(memory, 1))

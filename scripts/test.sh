@@ -19,4 +19,32 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null ||
     fi
 fi
 ruff check .
-python -m pytest -q -p no:cacheprovider --durations=40 "$@"
+PYTEST=(python -m pytest -q -p no:cacheprovider)
+if [ $# -gt 0 ] || [ "${TEST_SPLIT:-1}" = 0 ]; then
+    "${PYTEST[@]}" --durations=40 "$@"  # arguments given (or TEST_SPLIT=0): one process
+    exit
+fi
+# Two pytest processes side by side (~2/3 of the time is the e2e scenarios, which mostly
+# wait on timeouts, detection and process starts): A runs these e2e files, B the other
+# e2e files and every other test. A's output follows B's. elastic and warmstart share the
+# session's uninterrupted reference run, so they stay together.
+A=(tests/e2e/test_elastic_e2e.py tests/e2e/test_warmstart_e2e.py tests/e2e/test_slurm_e2e.py
+    tests/e2e/test_retention_e2e.py tests/e2e/test_quarantine_e2e.py tests/e2e/test_dropout_e2e.py)
+log=$(mktemp "${TMPDIR:-/tmp}/tests-a.XXXXXX")
+set -m  # A in its own process group: an interrupt reaches it through the trap below
+"${PYTEST[@]}" --durations=20 "${A[@]}" >"$log" 2>&1 &
+a=$!
+set +m
+trap 'kill -INT -- "-$a" 2>/dev/null; wait "$a"; cat "$log"; exit 130' INT TERM
+echo "tests: process A (${A[*]}) runs beside this one, its output in $log, shown after B's"
+echo "== B: every other test"
+b_rc=0
+"${PYTEST[@]}" --durations=20 "${A[@]/#/--ignore=}" || b_rc=$?
+echo "== A: ${A[*]} (output so far, then as it comes)"
+tail -n +1 --pid="$a" -f "$log"
+a_rc=0
+wait "$a" || a_rc=$?
+trap - INT TERM
+rm -f "$log"
+echo "tests: A exit $a_rc, B exit $b_rc"
+[ "$a_rc" -eq 0 ] && [ "$b_rc" -eq 0 ]

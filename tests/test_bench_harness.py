@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pkgutil
+import re
 import statistics
 import subprocess
 import sys
@@ -622,6 +623,8 @@ def test_quick_run_prints_progress_per_task(tmp_path):
     assert "[1/1] rendezvous: rendezvous simulation ..." in err
     assert "[1/1] rendezvous: rendezvous simulation done in" in err
     assert "rendezvous_vs_c10d=" in err.split("done in", 1)[1]
+    # the lines inside a task say how long the run has been going
+    assert re.search(r"bench: rendezvous: ft N=8: .* \(elapsed \d+ s\)\n", err), err[-2000:]
 
 
 @pytest.mark.timeout(30)
