@@ -77,6 +77,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+STORE_POLL_S = 0.005
+"""How often a rank other than 0 tries the rendezvous store's port before it is up."""
+
+
+def _wait_for_store(addr: str, port: int, timeout_s: float) -> float:
+    """Return once ``addr:port`` accepts a TCP connection (or after ``timeout_s``; then
+    ``init_process_group`` reports the failure its own way); returns the seconds waited.
+
+    Rank 0 hosts the store the group is built over. A rank that tries it before rank 0
+    listens gets its connection refused and PyTorch's client backs off for about half a
+    second to a second before it tries again: measured here, two ranks forked at once
+    (a warm restart) built their group in 0.29-0.60 s instead of 0.01-0.03 s. Polling the
+    port here every :data:`STORE_POLL_S` takes that backoff out of every restart.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(5.0, timeout_s))).close()
+            reached = True
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                reached = False
+                break
+            time.sleep(STORE_POLL_S)
+    waited = time.monotonic() - start
+    state = "reachable" if reached else "still not reachable"
+    logger.debug("store %s:%d %s after %.3f s", addr, port, state, waited)
+    return waited
+
+
 def release_inherited_sockets() -> int:
     """In a child forked from a training process: drop its references to the parent's
     TCP sockets (gloo connections, TCPStore clients and servers); returns how many.
@@ -148,6 +180,8 @@ def init_distributed(
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if identity.master_addr is not None:
+            if identity.rank != 0 and identity.master_port is not None:
+                _wait_for_store(identity.master_addr, identity.master_port, timeout_s)
             dist.init_process_group(backend=backend, timeout=timeout)
         elif identity.world_size == 1:
             url = f"tcp://127.0.0.1:{_free_port()}"

@@ -5,14 +5,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _run(code: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
@@ -161,3 +165,83 @@ def test_release_inherited_sockets_keeps_unix_sockets_and_the_descriptor_numbers
     # The TCP listener became /dev/null (a character device) under the same number; the
     # Unix socket pair still works.
     assert json.loads(result.stdout) == [1, 0, "x", True]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(30)
+def test_wait_for_store_returns_once_the_port_listens_and_gives_up_at_its_bound() -> None:
+    from elastic.distributed import _wait_for_store
+
+    port = _free_port()
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def listen_later() -> None:
+        time.sleep(0.4)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+    thread = threading.Thread(target=listen_later)
+    thread.start()
+    try:
+        waited = _wait_for_store("127.0.0.1", port, 20.0)
+    finally:
+        thread.join()
+        server.close()
+    assert 0.3 <= waited < 15.0  # it waited for the listener, not for its bound
+    # Nobody listens: it returns at its bound (init_process_group then reports the failure).
+    waited = _wait_for_store("127.0.0.1", _free_port(), 0.3)
+    assert 0.3 <= waited < 10.0
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_starts_before_rank_0_waits_for_its_store_and_the_group_works(
+    tmp_path: Path,
+) -> None:
+    # Two ranks forked at once (a warm restart): rank 1 used to try rank 0's store before
+    # it listened, had the connection refused and sat in PyTorch's backoff (0.3-0.6 s).
+    # Now it polls the port; here rank 0 starts 0.5 s late and both build the group.
+    port = _free_port()
+    code = (
+        "import json, logging, os, sys, time, torch, elastic, torch.distributed as dist\n"
+        "logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)\n"
+        "if os.environ['RANK'] == '0': time.sleep(0.5)\n"
+        "ctx = elastic.init_distributed(timeout_s=30)\n"
+        "t = torch.ones(2) * (ctx.rank + 1); dist.all_reduce(t)\n"
+        "elastic.close_distributed()\n"
+        "print(json.dumps([ctx.rank, ctx.world_size, t.tolist()]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        )
+        for rank in (0, 1)
+    ]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=90)
+            assert proc.returncode == 0, err
+            outs.append((json.loads(out), err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [o for o, _ in outs] == [[0, 2, [3.0, 3.0]], [1, 2, [3.0, 3.0]]]
+    waited = re.search(r"store 127\.0\.0\.1:\d+ reachable after ([\d.]+) s", outs[1][1])
+    assert waited is not None, outs[1][1]
+    assert float(waited.group(1)) > 0.05  # rank 1 polled until rank 0 listened
+    assert "reachable after" not in outs[0][1]  # rank 0 hosts the store: no wait

@@ -49,7 +49,7 @@ def test_ckpt_never_imports_elastic_trainer_or_testing() -> None:
 @pytest.mark.timeout(30)
 def test_warmstart_is_standard_library_only() -> None:
     # Its zygote outlives workers: it must not hold (stale) code of ckpt, elastic, trainer
-    # beyond what it is told to preload.
+    # beyond what it is told to preload (and then watches for changes).
     for name, imported in _imports("warmstart").items():
         outside = imported - {"warmstart"} - sys.stdlib_module_names
         assert not outside, f"warmstart/{name} imports {outside}"

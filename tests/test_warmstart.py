@@ -289,3 +289,61 @@ def test_parse_options_then_target():
                          (["--nope", "s.py"], "unknown option '--nope'"), ([], "no target")):  # fmt: skip
         with pytest.raises(UsageError, match=message):
             parse(bad)
+
+
+EDITING_TARGET = r"""
+import json, os, sys, time
+import wsmod  # preloaded and watched by the zygote (--preload wsmod)
+print(json.dumps({"value": wsmod.VALUE, "pid": os.getpid()}), flush=True)
+if sys.argv[1] == "1":  # between this attempt and the next, the module is edited
+    path = wsmod.__file__
+    with open(path, "w") as f:
+        f.write("VALUE = 2\n")
+    later = time.time() + 10
+    os.utime(path, (later, later))
+"""
+
+
+def test_an_edited_watched_module_is_never_run_stale(tmp_path):
+    # A module the zygote preloads and watches (--preload; ckpt and elastic by default)
+    # changes between two attempts: the next worker runs cold with the new code, the
+    # old zygote lets go, and a fresh one serves the attempt after (warm, new code).
+    (tmp_path / "wsmod.py").write_text("VALUE = 1\n")
+    script = tmp_path / "edit_target.py"
+    script.write_text(EDITING_TARGET)
+    agent = Agent(tmp_path, 4, "--preload", "wsmod", str(script), "{attempt}")
+    try:
+        rows = [agent.next_line() for _ in range(8)]
+        assert agent.proc.wait(30) == 0
+    finally:
+        agent.close()
+    assert [r["rc"] for r in rows if "rc" in r] == [0, 0, 0, 0]
+    outs = [agent.output(a) for a in range(4)]
+    assert [o["value"] for o, _ in outs] == [1, 1, 2, 2]
+    assert "warm start" in outs[1][1] and "warm start" in outs[3][1]
+    stale = outs[2][1]
+    assert "wsmod.py changed since the warm interpreter imported it" in stale, stale
+    assert "running cold, starting a fresh one" in stale and "warm start" not in stale
+    launchers = [r["launcher"] for r in rows if "launcher" in r]
+    assert outs[2][0]["pid"] == launchers[2]  # attempt 2 ran in its launcher (cold)
+    _wait(lambda: not _zygotes(agent.run_id), 10, "both zygotes to exit after their agent")
+
+
+def test_the_zygote_watches_the_library_by_default_and_sees_a_changed_file(tmp_path):
+    from warmstart import launcher, zygote
+
+    assert launcher.DEFAULT_WATCHED == ("ckpt", "elastic")
+    assert not set(launcher.DEFAULT_WATCHED) & set(launcher.DEFAULT_PRELOAD)
+    sources = zygote.watched_sources(["warmstart"])
+    assert zygote.__file__ in sources and launcher.__file__ in sources
+    assert all(path.endswith(".py") for path in sources)
+    assert zygote.changed_source(sources) is None
+    copy = tmp_path / "m.py"
+    copy.write_text("x = 1\n")
+    st = os.stat(copy)
+    recorded = {str(copy): (st.st_mtime_ns, st.st_size)}
+    assert zygote.changed_source(recorded) is None
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert zygote.changed_source(recorded) == str(copy)
+    copy.unlink()
+    assert zygote.changed_source(recorded) == str(copy)

@@ -25,6 +25,11 @@ What happens (``docs/design.md``, "Warm restarts"):
   launcher's fate onto the child: the launcher killed -> the child SIGKILLed; the
   launcher stopped (SIGSTOP) -> the child stopped, and continued with it.
 
+The zygote imports torch and friends (unwatched) and this project's library, ``ckpt`` and
+``elastic``, plus any ``--preload`` module (watched): when a watched module's source file
+changes between two attempts, the next worker runs cold with the new code and a fresh
+zygote takes over. The target itself is imported fresh by every worker.
+
 Outside ``torchrun`` (no ``TORCHELASTIC_RUN_ID``) or with ``--cold``, the launcher just runs
 the target in-process. This package imports nothing but the standard library.
 """

@@ -33,11 +33,20 @@ DEFAULT_PRELOAD = (
     "torch._dynamo",  # imported lazily by the first fully_shard: ~0.8 s otherwise
     "numpy",
 )
-"""What the zygote imports before it serves (``--preload`` adds to it). Third-party
-modules only by default: they do not change while an agent lives."""
+"""What the zygote imports before it serves, unwatched: third-party modules, taken not to
+change while an agent lives."""
+
+DEFAULT_WATCHED = ("ckpt", "elastic")
+"""This project's library, imported by the zygote too (with fsspec, tenacity and the
+rest of what it imports: ~0.2 s a warm worker no longer pays) but *watched*: before each
+fork the zygote compares their source files with what it imported, and after a change
+(an edit, an upgrade) the worker starts cold and a fresh zygote takes over. Modules given
+with ``--preload`` are watched the same way; the target (``-m trainer``, a script) is
+imported fresh by every worker."""
 
 ENV_PRELOAD = "WARMSTART_PRELOAD"
-"""Comma-separated modules that replace :data:`DEFAULT_PRELOAD` (empty: import nothing)."""
+"""Comma-separated modules that replace :data:`DEFAULT_PRELOAD` and
+:data:`DEFAULT_WATCHED` (empty: import nothing but ``--preload``)."""
 
 ENV_LOG = "WARMSTART_LOG"
 """A file the zygote appends its own messages to (default: they are dropped)."""
@@ -97,12 +106,15 @@ def start_zygote(agent_pid: int, run_id: str, preload: list[str]) -> None:
     """Start this agent's zygote in the background (it exits at once if one exists)."""
     base = os.environ.get(ENV_PRELOAD)
     modules = list(DEFAULT_PRELOAD) if base is None else [m for m in base.split(",") if m]
+    watched = [*DEFAULT_WATCHED, *preload] if base is None else list(preload)
     log = os.environ.get(ENV_LOG)
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (handed to Popen)
     try:
         cmd = [sys.executable, "-u", "-m", "warmstart.zygote", str(agent_pid), run_id]
+        if watched:
+            cmd += ["--watch", ",".join(watched)]
         subprocess.Popen(
-            [*cmd, *modules, *preload],
+            [*cmd, *modules],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=out,
@@ -124,9 +136,14 @@ def _connect(name: str) -> socket.socket | None:
     return sock
 
 
+class StaleZygote(ConnectionError):
+    """The zygote refused to fork: a watched module's source changed since it imported it."""
+
+
 def run_warm(sock: socket.socket, target: Target) -> int:
     """Have the zygote fork ``target``; forward signals; return the child's exit code
-    (negative: killed by that signal). Raises ``ConnectionError`` when no child was forked."""
+    (negative: killed by that signal). Raises ``ConnectionError`` when no child was forked
+    (:class:`StaleZygote` when the zygote refused: its watched code changed)."""
     t0 = time.monotonic()
     pending: list[int] = []
     child = 0
@@ -150,6 +167,12 @@ def run_warm(sock: socket.socket, target: Target) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         raise ConnectionError(f"the zygote did not fork a worker: {exc}") from exc
+    if "stale" in reply:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in pending:  # arrived while it was asked: this process takes them
+            os.kill(os.getpid(), signum)
+        raise StaleZygote(f"{reply['stale']} changed since the warm interpreter imported it")
     child = int(reply["pid"])
     _say(f"warm start: worker pid {child}, forked in {1000 * (time.monotonic() - t0):.0f} ms")
     for signum in pending:
@@ -198,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     if sock is not None:
         try:
             code = run_warm(sock, target)
+        except StaleZygote as exc:
+            _say(f"{exc}: running cold, starting a fresh one for restarts")
+            start_zygote(agent_pid, run_id, preload)
         except ConnectionError as exc:
             _say(f"{exc}; running cold")
         else:

@@ -1,7 +1,13 @@
-"""``python -m warmstart.zygote AGENT_PID RUN_ID [MODULE ...]``: one per torchrun agent.
+"""``python -m warmstart.zygote AGENT_PID RUN_ID [--watch MOD[,MOD...]] [MODULE ...]``: one
+per torchrun agent.
 
-Imports the modules (torch and what a training worker always needs), then forks one
-child per launcher request. Single-threaded on purpose: a fork copies only the calling
+Imports the modules (torch and what a training worker always needs) and the watched ones
+(this project's library, the user's ``--preload``), then forks one child per launcher
+request. Before each fork it compares the source files of the watched modules it
+imported with what they were then: one changed (an edit or an upgrade between two
+attempts), it refuses the request (the launcher runs cold and starts a fresh zygote),
+lets go of its socket names, and exits once its children are gone, so no worker runs
+stale code of those modules. Single-threaded on purpose: a fork copies only the calling
 thread, so nothing else may run here. Every 0.1 s it also
 
 - reaps exited children and sends each launcher its child's ``waitpid`` status;
@@ -20,6 +26,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from warmstart.protocol import Target, peer_pid_uid, recv_frame, send_frame, socket_names
@@ -73,21 +80,71 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def serve(listener: socket.socket, agent_pid: int) -> Request | None:
+Sources = dict[str, tuple[int, int]]
+"""Source file -> (mtime_ns, size) of the watched modules, as imported."""
+
+
+def watched_sources(packages: list[str]) -> Sources:
+    """The source files of every imported module of ``packages`` (top-level names)."""
+    tops = {name.split(".")[0] for name in packages}
+    out: Sources = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.split(".")[0] in tops and path:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            out[path] = (st.st_mtime_ns, st.st_size)
+    return out
+
+
+def changed_source(sources: Sources) -> str | None:
+    """The first of ``sources`` that changed or went away since it was imported, or None."""
+    for path, (mtime_ns, size) in sources.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            return path
+        if (st.st_mtime_ns, st.st_size) != (mtime_ns, size):
+            return path
+    return None
+
+
+def serve(
+    listener: socket.socket,
+    agent_pid: int,
+    sources: Sources | None = None,
+    release: Callable[[], None] = lambda: None,
+) -> Request | None:
     """The zygote's loop. Returns only in a freshly forked child (its request), or None
-    when the zygote should exit."""
+    when the zygote should exit. ``sources``: checked before each fork; once one changed,
+    ``release()`` (the socket names go), every request is refused with ``{"stale"}`` and
+    the loop ends when no child is left."""
     launchers: dict[socket.socket, Launcher] = {}
     by_child: dict[int, Launcher] = {}
+    stale: str | None = None
     while True:
-        ready, _, _ = select.select([listener, *launchers], [], [], TICK_S)
+        watch = [listener, *launchers] if stale is None else list(launchers)
+        ready, _, _ = select.select(watch, [], [], TICK_S)
         for sock in ready:
             if sock is listener:
                 _accept(listener, launchers)
                 continue
-            launcher = launchers[sock]
+            launcher = launchers.get(sock)
+            if launcher is None:
+                continue
             if launcher.child == 0:
                 request = _read_request(launcher, launchers)
                 if request is None:
+                    continue
+                if stale is None and sources:
+                    stale = changed_source(sources)
+                    if stale is not None:
+                        release()
+                        listener.close()
+                if stale is not None:
+                    _refuse(launcher, launchers, request, stale)
                     continue
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -119,8 +176,21 @@ def serve(listener: socket.socket, agent_pid: int) -> Request | None:
                     sock.close()
         _reap(by_child, launchers)
         _mirror_stops(by_child)
-        if not by_child and not _alive(agent_pid):
+        if not by_child and (stale is not None or not _alive(agent_pid)):
             return None
+
+
+def _refuse(
+    launcher: Launcher, launchers: dict[socket.socket, Launcher], request: Request, path: str
+) -> None:
+    for fd in request.fds:
+        os.close(fd)
+    try:
+        send_frame(launcher.sock, {"stale": path})
+    except OSError:
+        pass
+    del launchers[launcher.sock]
+    launcher.sock.close()
 
 
 def _accept(listener: socket.socket, launchers: dict[socket.socket, Launcher]) -> None:
@@ -210,6 +280,10 @@ def become_child(request: Request) -> None:
 
 def main(argv: list[str]) -> int:
     agent_pid, run_id, modules = int(argv[0]), argv[1], argv[2:]
+    watched: list[str] = []
+    if modules[:1] == ["--watch"] and len(modules) > 1:
+        watched = [m for m in modules[1].split(",") if m]
+        modules = modules[2:]
     lock_name, serve_name = socket_names(agent_pid, run_id)
     lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -217,19 +291,21 @@ def main(argv: list[str]) -> int:
     except OSError:
         return 0  # another zygote serves (or is getting ready to serve) this agent
     started = time.monotonic()
-    for name in modules:
+    for name in [*modules, *watched]:
         try:
             importlib.import_module(name)
         except Exception as exc:  # a zygote without it is still useful
             print(f"warmstart zygote: import {name} failed: {exc}", file=sys.stderr)
+    sources = watched_sources(watched)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(serve_name)
     listener.listen(64)
     print(
-        f"warmstart zygote: ready for agent {agent_pid} after {time.monotonic() - started:.1f} s",
+        f"warmstart zygote: ready for agent {agent_pid} after {time.monotonic() - started:.1f} s"
+        f" ({len(sources)} watched source files)",
         file=sys.stderr,
     )
-    request = serve(listener, agent_pid)
+    request = serve(listener, agent_pid, sources, release=lock.close)
     if request is None:
         return 0
     lock.close()
