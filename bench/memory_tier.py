@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -269,6 +270,11 @@ def restore_sample(
         on_event=lambda name, step, **f: events.append((name, f)),
     )
     manager.resume()  # untimed: imports and first-call costs
+    # As the trainer does after its imports (trainer/__main__.py): the collector stops
+    # walking the long-lived objects, so a full collection (~0.2 s with torch loaded)
+    # does not land in the timed resume of one side and not the other.
+    gc.collect()
+    gc.freeze()
     method = None
     if tier.startswith("disk_cold"):
         method = disk.drop_page_cache(disk.files_under(root))

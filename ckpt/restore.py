@@ -142,7 +142,11 @@ def load(
                 uncommitted.append(candidate)
                 continue
             reader = ShardReader(ckpt_dir, manifest)
-            coll.on_every_rank(f"reading {ckpt_dir.url('.metadata')}", reader.read_metadata)
+            # Every rank reads (and keeps) the metadata; only the outcome travels (the
+            # Metadata itself, gathered, was pickled to every rank world-size times).
+            coll.on_every_rank(
+                f"reading {ckpt_dir.url('.metadata')}", lambda r=reader: _read_metadata(r)
+            )
             _dcp_load(state, reader, coll)
         except StateMismatchError:
             raise
@@ -302,6 +306,10 @@ def _verified_manifest(cat: Catalog, step: int) -> Manifest | None:
         return None
     verify_dir(cat.storage.child(info.dirname), info.manifest).raise_if_bad()
     return info.manifest
+
+
+def _read_metadata(reader: ShardReader) -> None:
+    reader.read_metadata()
 
 
 def _dcp_load(state: dict[str, Any], reader: ShardReader, coll: Collective) -> None:

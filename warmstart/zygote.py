@@ -19,6 +19,7 @@ thread, so nothing else may run here. Every 0.1 s it also
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import select
@@ -297,6 +298,11 @@ def main(argv: list[str]) -> int:
         except Exception as exc:  # a zygote without it is still useful
             print(f"warmstart zygote: import {name} failed: {exc}", file=sys.stderr)
     sources = watched_sources(watched)
+    # Every object imported so far goes to the collector's permanent generation, which
+    # forked children inherit: their full collections no longer walk (and copy on write)
+    # torch's ~300k module objects, 0.18-0.26 s each here; the first one used to land in
+    # a warm worker's checkpoint load (a 1 MB tiny-GPT resume took 0.4 s instead of 0.1).
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(serve_name)
     listener.listen(64)
