@@ -186,8 +186,15 @@ def _refuse(
 ) -> None:
     for fd in request.fds:
         os.close(fd)
+    _last_word(launcher, launchers, {"stale": path})
+
+
+def _last_word(
+    launcher: Launcher, launchers: dict[socket.socket, Launcher], payload: dict
+) -> None:
+    """Send ``launcher`` its final frame (it may be gone) and forget it."""
     try:
-        send_frame(launcher.sock, {"stale": path})
+        send_frame(launcher.sock, payload)
     except OSError:
         pass
     del launchers[launcher.sock]
@@ -244,12 +251,7 @@ def _reap(by_child: dict[int, Launcher], launchers: dict[socket.socket, Launcher
         launcher = by_child.pop(pid, None)
         if launcher is None or launcher.sock not in launchers:
             continue
-        try:
-            send_frame(launcher.sock, {"status": status})
-        except OSError:
-            pass
-        del launchers[launcher.sock]
-        launcher.sock.close()
+        _last_word(launcher, launchers, {"status": status})
 
 
 def _mirror_stops(by_child: dict[int, Launcher]) -> None:
