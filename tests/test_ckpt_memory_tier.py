@@ -250,6 +250,53 @@ def test_a_corrupted_copy_is_replaced_by_the_replica_on_the_other_node(tmp_path)
     assert "rank_00001.distcp" in choice["reason"] and "assembled again" in choice["reason"]
 
 
+def test_an_intact_restore_reads_the_values_straight_into_their_destination(tmp_path):
+    """Both nodes intact, same world: each rank reads the values of its own shards from
+    its node's copy (``preadv``) into its parameters and AdamW state, no buffer, no copy."""
+    root = str(tmp_path / "ckpt")
+    nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    saved = run_ok(_train, 2, root, nodes, 4, 0, 1)
+    got = run_ok(_resume, 2, root, nodes)
+    for r in got:
+        assert (r["step"], r["tier"]) == (4, "memory")
+        assert r["transfer"]["received_bytes"] == 0
+        assert r["local_bytes"] <= r["transfer"]["read_in_place_bytes"], r["transfer"]
+    _assert_state(got[0]["full"], saved[0]["history"][4])
+
+
+def test_a_flipped_byte_in_values_read_in_place_falls_back_to_the_replica(tmp_path):
+    """Rank 1's own copy rots inside a weight's values, which it reads straight into its
+    parameter: the item's crc32c over its parts catches it, and the second assembly
+    takes node 0's replica, whose bytes then overwrite what landed there."""
+    from ckpt.reader import load_metadata
+    from ckpt.tensorblob import data_layout
+
+    root = str(tmp_path / "ckpt")
+    nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    saved = run_ok(_train, 2, root, nodes, 4, 0, 1)
+    own = _slot_of(nodes[1], 1, 4)
+    with open(os.path.join(own, ".metadata"), "rb") as f:
+        storage = load_metadata(f.read()).storage_data
+    [info] = [
+        v
+        for k, v in storage.items()
+        if k.fqn == "model.0.weight" and v.relative_path == "rank_00001.distcp"
+    ]
+    path = os.path.join(own, "rank_00001.distcp")
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        start, size, _, _ = data_layout(f.read(info.length))
+    _flip_byte(path, info.offset + start + size // 2, 0x80)
+    got = run_ok(_resume, 2, root, nodes)
+    for r in got:
+        assert (r["step"], r["tier"]) == (4, "memory")
+    _assert_state(got[0]["full"], saved[0]["history"][4])
+    assert not [e for e in got[0]["events"] if e[0] == "fallback"]
+    choice = _event(got[0]["events"], "tier_choice")
+    assert "rank_00001.distcp" in choice["reason"] and "assembled again" in choice["reason"]
+    assert got[1]["transfer"]["received_bytes"] > 0  # the second time, from node 0
+
+
 def test_a_lost_node_at_the_same_world_size_receives_its_shard_in_chunks(tmp_path):
     root = str(tmp_path / "ckpt")
     nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]

@@ -8,7 +8,8 @@ Collective over the tier's gloo groups, in three calls the manager makes in orde
    newer than the newest durable checkpoint and not fenced by it, with every file the
    manifest lists present (right size) on some surviving node; newest first.
 2. :func:`materialize`: every rank gets a ``ckptmem://`` root (:mod:`ckpt.memory.fs`)
-   holding the candidate: the files its node has, mapped read-only; from a node that has
+   holding the candidate: the files its node has, mapped read-only (the values of the
+   tensor items it loads whole read straight into their tensors); from a node that has
    the others, only the byte ranges its own load plan reads, shipped over gloo; plus
    manifest.json, COMPLETE (the snapshot's commit record) and ``.metadata``. The manager
    then runs the normal verified ``ckpt.load`` on it (every item's crc32c checked,
@@ -185,6 +186,8 @@ class Restore:
     """One assembled memory snapshot: the root to load from; :meth:`release` after the load.
 
     ``stats`` (this rank): ``received_bytes``/``sent_bytes`` over gloo, ``chunks``,
+    ``placed_bytes`` (received straight into their destination), ``read_in_place_bytes``
+    (values of this node's files read straight into their destination),
     ``wait_s`` (time the loader's reads blocked for bytes still on the wire) and
     ``settle_s`` (time :meth:`release` waited for this rank's sends and receives).
     """
@@ -277,6 +280,7 @@ def materialize(
     # Map this node's copies (to load, and to send from) and plan this rank's reads; one
     # gather then tells every rank what every other needs, or that some rank cannot go on.
     files: dict[str, memory_fs.SnapshotFile] = {}
+    local: dict[str, memory_fs.LocalFile] = {}
     mine: dict[str, list[tuple[int, int]]] = {}
     targets: dict[str, dict[int, torch.Tensor]] = {}
     plan_error: CheckpointError | None = None
@@ -290,6 +294,7 @@ def materialize(
         wanted, whole = _plan_reads(template, metadata)
         mine = {name: spans for name, spans in wanted.items() if name not in here}
         targets = {name: whole[name] for name in mine if whole.get(name)}
+        local = _local_reads(files, here, wanted, whole, metadata)
     except CheckpointError as exc:
         plan_error = exc
     except OSError as exc:
@@ -302,7 +307,7 @@ def materialize(
     )
     errors = [r["error"] for r in reports if r["error"]]
     if plan_error is not None or errors or any(r["needs"] is None for r in reports):
-        for f in files.values():
+        for f in [*local.values(), *files.values()]:
             f.close()
         if plan_error is not None:
             raise plan_error
@@ -327,10 +332,11 @@ def materialize(
         for name, src, dst, spans in transfers
     ]  # fmt: skip
     incoming, sends, stats, placed = _post(tier, plan, files, targets)
+    stats["read_in_place_bytes"] = float(sum(f.in_place_bytes for f in local.values()))
     for name, pieces in incoming.items():
         files[name] = memory_fs.PiecesFile(entries[name].size, pieces, placed.get(name))
     dirname = checkpoint_dirname(cand.step)
-    listed = {f"{dirname}/{name}": f for name, f in files.items()}
+    listed = {f"{dirname}/{name}": local.get(name, f) for name, f in files.items()}
     listed[f"{dirname}/{DCP_METADATA_NAME}"] = memory_fs.BytesFile(raw)
     listed[f"{dirname}/{MANIFEST_NAME}"] = memory_fs.BytesFile(cand.manifest_bytes)
     listed[f"{dirname}/{COMPLETE_NAME}"] = memory_fs.BytesFile(cand.commit_bytes)
@@ -406,6 +412,43 @@ def _post(
                 piece.settle()
         raise
     return incoming, sends, stats, placed
+
+
+def _local_reads(
+    files: dict[str, memory_fs.SnapshotFile],
+    paths: dict[str, str],
+    wanted: dict[str, list[tuple[int, int]]],
+    whole: dict[str, dict[int, torch.Tensor]],
+    metadata: Any,
+) -> dict[str, memory_fs.LocalFile]:
+    """For each file on this node that holds items this rank loads whole into their own
+    memory: a :class:`~ckpt.memory.fs.LocalFile` reading those items' values straight
+    into it (where its node's copy keeps them as that memory's bytes, as a shipped
+    item's, :func:`_segments`)."""
+    lengths = {(i.relative_path, i.offset): i.length for i in metadata.storage_data.values()}
+    out: dict[str, memory_fs.LocalFile] = {}
+    for name, per in whole.items():
+        mapped = files.get(name)
+        if not per or name not in wanted or not isinstance(mapped, memory_fs.MappedFile):
+            continue
+        layouts: dict[int, Any] = {}
+        for off in sorted(per):
+            length = lengths.get((name, off))
+            if length is not None and off + length <= mapped.size:
+                found = data_layout(mapped.read(off, off + length))
+                if found is not None:
+                    layouts[off] = found
+        shapes = {off: _shape_of(t) for off, t in per.items()}
+        cut = _segments(wanted[name], shapes, layouts, metadata, name)
+        into = [(start, end, item) for start, end, item in cut if item is not None]
+        if into:
+            out[name] = memory_fs.LocalFile(
+                mapped,
+                paths[name],
+                [(start, end, per[item].reshape(-1).view(torch.uint8)) for start, end, item in into],
+                {item: (start, end - start) for start, end, item in into},
+            )
+    return out
 
 
 def _layouts(
