@@ -25,10 +25,10 @@ logs (:func:`fault_cost`, pure):
   ``rerun_time_s`` + the excesses) / kills.
 
 The kills are spaced for a fault about every ``FAULT_EVERY_S`` seconds of training with
-the memory tier on: 162 steps apart, ~25 s at the tiny GPT's 0.146 s steps of a quiet
-machine and ~34 s at the 0.20-0.21 s of a busy one (2 agents, async durable saves every
+the memory tier on: 142 steps apart, ~21 s at the tiny GPT's 0.146 s steps of a quiet
+machine and ~29 s at the 0.20-0.21 s of a busy one (2 agents, async durable saves every
 20 steps). (A plan of ~105 steps, sized on a loaded machine, gave a fault every ~20 s; one
-of ~205 steps, sized on a quiet one, every 46 s on a busy one.)
+of 162 steps every 37-39 s on a busy one; one of ~205 steps every 46 s.)
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ PHASES = ("detect_s", "rdzv_spawn_import_pg_s", "build_s", "load_s", "other_s", 
 class KillPlan:
     """The jobs of ``fault_cost_s``: the same steps, checkpoints and kills for both tiers."""
 
-    max_steps: int = 660
-    kill_steps: tuple[int, ...] = (169, 331, 493)
-    """A kill fires before the step: the last rows are 168, 330 and 492, so the durable-only
-    baseline (checkpoints at 160, 320, 480) re-runs 8, 10 and 12 steps (mean N/2) and the
+    max_steps: int = 575
+    kill_steps: tuple[int, ...] = (149, 291, 433)
+    """A kill fires before the step: the last rows are 148, 290 and 432, so the durable-only
+    baseline (checkpoints at 140, 280, 420) re-runs 8, 10 and 12 steps (mean N/2) and the
     memory tier (snapshots every 5 steps) 3, 0 and 2."""
     durable_every: int = 20
     memory_every: int = 5
