@@ -165,6 +165,26 @@ def _slot_of(node_dir: str, holder: int, step: int) -> str:
     raise AssertionError(f"no committed slot of step {step} for holder {holder} under {node_dir}")
 
 
+def _rank1_weight(slot_dir: str) -> tuple[str, int, int, int]:
+    """Rank 1's shard of model.0.weight in a slot: (file, item offset, item length, offset
+    of the item's values in the file)."""
+    from ckpt.reader import load_metadata
+    from ckpt.tensorblob import data_layout
+
+    with open(os.path.join(slot_dir, ".metadata"), "rb") as f:
+        storage = load_metadata(f.read()).storage_data
+    [info] = [
+        v
+        for k, v in storage.items()
+        if k.fqn == "model.0.weight" and v.relative_path == "rank_00001.distcp"
+    ]
+    path = os.path.join(slot_dir, "rank_00001.distcp")
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        start, size, _, _ = data_layout(f.read(info.length))
+    return path, info.offset, info.length, info.offset + start + size // 2
+
+
 def _flip_byte(path: str, offset: int, mask: int = 0x01) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -235,12 +255,17 @@ def test_a_lost_node_resumes_from_its_peer_replica_on_a_smaller_world(tmp_path):
     assert got["cursor"] == 5 * GLOBAL_BATCH  # the same samples come next
 
 
-def test_a_corrupted_copy_is_replaced_by_the_replica_on_the_other_node(tmp_path):
+@pytest.mark.parametrize("where", ["file", "values"])
+def test_a_corrupted_copy_is_replaced_by_the_replica_on_the_other_node(tmp_path, where):
+    """``values``: the byte is in a weight's values, which rank 1 reads from its own copy
+    straight into its parameter: the item's crc32c over its parts catches it, and the
+    second assembly takes node 0's replica, whose bytes then overwrite what landed there."""
     root = str(tmp_path / "ckpt")
     nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
     saved = run_ok(_train, 2, root, nodes, 4, 0, 1)
-    own = os.path.join(_slot_of(nodes[1], 1, 4), "rank_00001.distcp")
-    _flip_byte(own, os.path.getsize(own) // 3, 0x80)  # rank 1's own copy rots; node 0's is good
+    own, _, _, in_values = _rank1_weight(_slot_of(nodes[1], 1, 4))
+    flipped = in_values if where == "values" else os.path.getsize(own) // 3
+    _flip_byte(own, flipped, 0x80)  # rank 1's own copy rots; node 0's is good
     got = run_ok(_resume, 2, root, nodes)
     for r in got:
         assert (r["step"], r["tier"]) == (4, "memory")
@@ -248,6 +273,7 @@ def test_a_corrupted_copy_is_replaced_by_the_replica_on_the_other_node(tmp_path)
     assert not [e for e in got[0]["events"] if e[0] == "fallback"]
     choice = _event(got[0]["events"], "tier_choice")
     assert "rank_00001.distcp" in choice["reason"] and "assembled again" in choice["reason"]
+    assert got[1]["transfer"]["received_bytes"] > 0  # the second time, from node 0
 
 
 def test_an_intact_restore_reads_the_values_straight_into_their_destination(tmp_path):
@@ -262,39 +288,6 @@ def test_an_intact_restore_reads_the_values_straight_into_their_destination(tmp_
         assert r["transfer"]["received_bytes"] == 0
         assert r["local_bytes"] <= r["transfer"]["read_in_place_bytes"], r["transfer"]
     _assert_state(got[0]["full"], saved[0]["history"][4])
-
-
-def test_a_flipped_byte_in_values_read_in_place_falls_back_to_the_replica(tmp_path):
-    """Rank 1's own copy rots inside a weight's values, which it reads straight into its
-    parameter: the item's crc32c over its parts catches it, and the second assembly
-    takes node 0's replica, whose bytes then overwrite what landed there."""
-    from ckpt.reader import load_metadata
-    from ckpt.tensorblob import data_layout
-
-    root = str(tmp_path / "ckpt")
-    nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
-    saved = run_ok(_train, 2, root, nodes, 4, 0, 1)
-    own = _slot_of(nodes[1], 1, 4)
-    with open(os.path.join(own, ".metadata"), "rb") as f:
-        storage = load_metadata(f.read()).storage_data
-    [info] = [
-        v
-        for k, v in storage.items()
-        if k.fqn == "model.0.weight" and v.relative_path == "rank_00001.distcp"
-    ]
-    path = os.path.join(own, "rank_00001.distcp")
-    with open(path, "rb") as f:
-        f.seek(info.offset)
-        start, size, _, _ = data_layout(f.read(info.length))
-    _flip_byte(path, info.offset + start + size // 2, 0x80)
-    got = run_ok(_resume, 2, root, nodes)
-    for r in got:
-        assert (r["step"], r["tier"]) == (4, "memory")
-    _assert_state(got[0]["full"], saved[0]["history"][4])
-    assert not [e for e in got[0]["events"] if e[0] == "fallback"]
-    choice = _event(got[0]["events"], "tier_choice")
-    assert "rank_00001.distcp" in choice["reason"] and "assembled again" in choice["reason"]
-    assert got[1]["transfer"]["received_bytes"] > 0  # the second time, from node 0
 
 
 def test_a_lost_node_at_the_same_world_size_receives_its_shard_in_chunks(tmp_path):
@@ -324,29 +317,14 @@ def test_a_flipped_byte_in_a_chunk_received_from_the_peer_is_rejected(tmp_path, 
     """``values``: the byte is in the weight's values, which rank 1 receives straight into
     its parameter: the item's crc32c over its parts catches it, and the durable resume
     then overwrites what landed there."""
-    from ckpt.reader import load_metadata
-    from ckpt.tensorblob import data_layout
-
     root = str(tmp_path / "ckpt")
     nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
     saved = run_ok(_train, 2, root, nodes, 6, 4, 2)  # memory 4 and 6, durable 4
-    replica_dir = _slot_of(nodes[0], 0, 6)  # node 0 holds rank 1's replica of step 6
-    with open(os.path.join(replica_dir, ".metadata"), "rb") as f:
-        storage = load_metadata(f.read()).storage_data
-    # Rank 1's own shard of a weight: at the same world size only rank 1 reads it, so
-    # these bytes travel to it over gloo; with 200-byte chunks the flip is past the first.
-    [info] = [
-        v
-        for k, v in storage.items()
-        if k.fqn == "model.0.weight" and v.relative_path == "rank_00001.distcp"
-    ]
-    path = os.path.join(replica_dir, "rank_00001.distcp")
-    flipped = info.offset + info.length // 2
-    if where == "values":
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            start, size, _, _ = data_layout(f.read(info.length))
-        flipped = info.offset + start + size // 2
+    # node 0 holds rank 1's replica of step 6. Rank 1's own shard of a weight: at the same
+    # world size only rank 1 reads it, so these bytes travel to it over gloo; with
+    # 200-byte chunks the flip is past the first.
+    path, offset, length, in_values = _rank1_weight(_slot_of(nodes[0], 0, 6))
+    flipped = in_values if where == "values" else offset + length // 2
     assert flipped > 200
     _flip_byte(path, flipped)
     import shutil
