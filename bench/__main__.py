@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -112,7 +113,8 @@ WARMUP_STEPS = 5
 FULL_ONLY = ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss")
 """Metrics measured in full mode only (torchrun jobs of a minute or more each)."""
 KILL_PLAN = KillPlan()
-"""The jobs of restart_overhead, fault_cost_s and ettr (bench/fault_cost.py)."""
+"""The jobs of restart_overhead, fault_cost_s and ettr (bench/fault_cost.py) when no
+shorter job gave a step time to size them with (:meth:`KillPlan.sized`)."""
 PLAIN_KILL_STEPS = [25, 50]
 PLAIN_MAX_STEPS = 65
 """The shorter jobs beside the fault_cost_s ones (restart_overhead's detail only): the
@@ -356,18 +358,7 @@ def _elastic(work: str, mode: Mode) -> list[m.Metric]:
     warm = warm_available()
     launcher = "warmstart" if warm else "plain"
     cold = [cold_init_s(work)]
-    _progress(f"elastic: job 1/4, memory tier + durable, {launcher} launcher, rdzv {OURS_RDZV}")
-    ours = fault_cost_run(
-        work, KILL_PLAN, mode.timeout_s, memory=True, warm=warm, rdzv_backend=OURS_RDZV
-    )
-    cold.append(cold_init_s(work))
-    _progress(f"elastic: job 2/4, durable only, {launcher} launcher, rdzv {OURS_RDZV}")
-    base = fault_cost_run(
-        work, KILL_PLAN, mode.timeout_s, memory=False, warm=warm, rdzv_backend=OURS_RDZV
-    )
-    cold.append(cold_init_s(work))
-    samples = restarts(ours["metrics"], ours["events"], ours["logs"])
-    samples += restarts(base["metrics"], base["events"], base["logs"])
+    step_times: list[float] = []
 
     def short_job(launch_warm: bool, backend: str) -> list[dict[str, float]] | str:
         try:
@@ -380,19 +371,38 @@ def _elastic(work: str, mode: Mode) -> list[m.Metric]:
                 warm=launch_warm,
                 rdzv_backend=backend,
             )
+            step_times.extend(float(r["step_time_s"]) for r in out["metrics"])
             return restarts(out["metrics"], out["events"], out["logs"])
         except Exception as exc:
             return f"failed: {exc}"[:500]
         finally:
             cold.append(cold_init_s(work))
 
+    # The shorter jobs first: their step time sizes the kill plan (a fault every ~30 s).
     plain: list[dict[str, float]] | str | None = None
     if warm:  # the cold path beside it: one shorter job through the trainer itself
-        _progress(f"elastic: job 3/4, the trainer itself (cold path), rdzv {OURS_RDZV}")
+        _progress(f"elastic: job 1/4, the trainer itself (cold path), rdzv {OURS_RDZV}")
         plain = short_job(False, OURS_RDZV)
-    _progress(f"elastic: job 4/4, {launcher} launcher on torchrun's c10d rendezvous")
+    _progress(f"elastic: job 2/4, {launcher} launcher on torchrun's c10d rendezvous")
     c10d = short_job(warm, "c10d")
-    settings = {"launcher": launcher, "rdzv_backend": OURS_RDZV, **KILL_PLAN.settings()}
+    plan = KillPlan.sized(statistics.median(step_times)) if step_times else KILL_PLAN
+    _progress(
+        f"elastic: kill plan {plan.max_steps} steps, kills before {list(plan.kill_steps)}"
+        + (f" (median step {statistics.median(step_times):.3f} s)" if step_times else "")
+    )
+    _progress(f"elastic: job 3/4, memory tier + durable, {launcher} launcher, rdzv {OURS_RDZV}")
+    ours = fault_cost_run(
+        work, plan, mode.timeout_s, memory=True, warm=warm, rdzv_backend=OURS_RDZV
+    )
+    cold.append(cold_init_s(work))
+    _progress(f"elastic: job 4/4, durable only, {launcher} launcher, rdzv {OURS_RDZV}")
+    base = fault_cost_run(
+        work, plan, mode.timeout_s, memory=False, warm=warm, rdzv_backend=OURS_RDZV
+    )
+    cold.append(cold_init_s(work))
+    samples = restarts(ours["metrics"], ours["events"], ours["logs"])
+    samples += restarts(base["metrics"], base["events"], base["logs"])
+    settings = {"launcher": launcher, "rdzv_backend": OURS_RDZV, **plan.settings()}
     runs = [
         {**goodput(job["metrics"], job["events"]), "job_wall_s": job["job_wall_s"]}
         for job in (ours, base)

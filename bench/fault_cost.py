@@ -24,11 +24,13 @@ logs (:func:`fault_cost`, pure):
   where that step starts. ``fault_cost_with_first_step_s`` adds them: (``downtime_s`` +
   ``rerun_time_s`` + the excesses) / kills.
 
-The kills are spaced for a fault about every ``FAULT_EVERY_S`` seconds of training with
-the memory tier on: 142 steps apart, ~21 s at the tiny GPT's 0.146 s steps of a quiet
-machine and ~29 s at the 0.20-0.21 s of a busy one (2 agents, async durable saves every
-20 steps). (A plan of ~105 steps, sized on a loaded machine, gave a fault every ~20 s; one
-of 162 steps every 37-39 s on a busy one; one of ~205 steps every 46 s.)
+The kills are spaced for a fault about every ``FAULT_EVERY_S`` seconds as the bench
+counts it (``mean_s_between_faults``: the job's wall time / (kills + 1)): the plan is
+sized in steps from the step time of the shorter jobs run just before
+(:meth:`KillPlan.sized`), since this machine's step time has varied 2x between sessions
+(the tiny GPT's 0.11 s to 0.22 s: a fixed 142-step plan gave a fault every 15.8 s on the
+one and 36.6 s on the other). The default plan (:class:`KillPlan` as it stands) is the
+one for 0.22 s steps.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ from runcore import events as ev
 FAULT_EVERY_S = 30.0
 """Target spacing of the kills, in seconds of training with the memory tier on."""
 
+DURABLE_EVERY = 20
+"""Durable checkpoint interval of the kill jobs (the kills' re-runs are set against it)."""
+PERIOD_OVERHEAD_S = 2.0
+"""Seconds of each period between faults that are not steps (:meth:`KillPlan.sized`):
+1.75 s in a job of 0.11 s steps (wall 63.3 s, of which 500 steps 56.3 s, 4 periods)."""
+
 PHASES = ("detect_s", "rdzv_spawn_import_pg_s", "build_s", "load_s", "other_s", "rerun_s")
 """Where the time of one kill goes (``lost_s`` is their sum when the log marks were found)."""
 
@@ -53,16 +61,30 @@ PHASES = ("detect_s", "rdzv_spawn_import_pg_s", "build_s", "load_s", "other_s", 
 class KillPlan:
     """The jobs of ``fault_cost_s``: the same steps, checkpoints and kills for both tiers."""
 
-    max_steps: int = 575
-    kill_steps: tuple[int, ...] = (149, 291, 433)
-    """A kill fires before the step: the last rows are 148, 290 and 432, so the durable-only
-    baseline (checkpoints at 140, 280, 420) re-runs 8, 10 and 12 steps (mean N/2) and the
+    max_steps: int = 492
+    kill_steps: tuple[int, ...] = (129, 251, 373)
+    """A kill fires before the step: the last rows are 128, 250 and 372, so the durable-only
+    baseline (checkpoints at 120, 240, 360) re-runs 8, 10 and 12 steps (mean N/2) and the
     memory tier (snapshots every 5 steps) 3, 0 and 2."""
-    durable_every: int = 20
+    durable_every: int = DURABLE_EVERY
     memory_every: int = 5
     """The K of ``memory_tier_stall``'s headline. With K = 1 (a full run, kills 206/411/616)
     the snapshots cost ~16 ms per 0.15 s step, more than the re-run steps they saved:
     goodput 0.830 vs 0.878 durable-only, fault_cost_s 4.15 vs 4.95 (BENCHMARKS.md)."""
+
+    @classmethod
+    def sized(cls, step_s: float, every_s: float = FAULT_EVERY_S) -> KillPlan:
+        """The plan with a fault about every ``every_s`` seconds (as the bench counts
+        them) at ``step_s`` seconds per step: ``n`` steps apart, ``n`` a multiple of the
+        durable interval (20), so the re-runs stay 8/10/12 and 3/0/2 steps as in the
+        default plan. ``PERIOD_OVERHEAD_S`` of each period is not steps (the downtime, the
+        first step, the job's start spread over the periods)."""
+        interval = DURABLE_EVERY
+        if not step_s > 0:
+            raise ValueError(f"a kill plan needs a step time > 0, got {step_s!r}")
+        n = max(2, round((every_s - PERIOD_OVERHEAD_S) / step_s / interval)) * interval
+        last_rows = (n + 8, 2 * n + 10, 3 * n + 12)
+        return cls(max_steps=4 * n + 12, kill_steps=tuple(r + 1 for r in last_rows))
 
     def settings(self) -> dict[str, Any]:
         return {

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import itertools
 import json
 import math
 import os
@@ -376,10 +377,16 @@ def test_elastic_run_launches_warm_or_plain_with_the_memory_tier_per_node(
     assert _FakeJob.made[0].rdzv_backend == "ft" and out["rdzv_backend"] == "ft"
 
 
-def test_kill_plan_spreads_the_kills_over_the_durable_interval():
+def _plans() -> list:
     from bench.__main__ import KILL_PLAN
+    from bench.fault_cost import KillPlan
 
-    plan = KILL_PLAN
+    return [KILL_PLAN] + [KillPlan.sized(step_s) for step_s in (0.05, 0.11, 0.22, 0.5, 3.0)]
+
+
+@pytest.mark.parametrize("which", range(6))
+def test_kill_plan_spreads_the_kills_over_the_durable_interval(which):
+    plan = _plans()[which]
     kills = list(plan.kill_steps)
     assert kills == sorted(kills) and kills[-1] < plan.max_steps
     # A kill fires before its step: the durable-only job re-runs (step - 1) % N steps.
@@ -391,6 +398,26 @@ def test_kill_plan_spreads_the_kills_over_the_durable_interval():
     memory_reruns = [(k - 1) % plan.memory_every for k in kills]
     assert max(memory_reruns) > 0 and sum(memory_reruns) < sum(reruns)
     assert plan.settings()["kill_steps"] == kills
+
+
+@pytest.mark.parametrize("step_s", [0.05, 0.11, 0.15, 0.22, 0.3])
+def test_a_kill_plan_is_sized_for_a_fault_about_every_30_s_of_its_step_time(step_s):
+    from bench.fault_cost import FAULT_EVERY_S, PERIOD_OVERHEAD_S, KillPlan
+
+    plan = KillPlan.sized(step_s)
+    # Four periods (start -> kill, kill -> kill, kill -> kill, kill -> end) of about the
+    # same number of steps, each about FAULT_EVERY_S seconds with its overhead.
+    bounds = [0, *plan.kill_steps, plan.max_steps]
+    periods = [b - a for a, b in itertools.pairwise(bounds)]
+    assert max(periods) - min(periods) <= 12
+    # Steps apart are a multiple of the durable interval (20): off by 10 steps at most,
+    # and the periods are 3 steps longer on average (the re-runs' offsets 8/10/12).
+    mean_s = statistics.mean(periods) * step_s + PERIOD_OVERHEAD_S
+    assert abs(mean_s - FAULT_EVERY_S) <= 13 * step_s + 0.01
+    # The default plan is the one sized for 0.22 s steps.
+    assert KillPlan.sized(0.22) == KillPlan()
+    with pytest.raises(ValueError, match="step time"):
+        KillPlan.sized(0.0)
 
 
 T0 = datetime.datetime(2026, 11, 23, 12, 0, 0).timestamp()
