@@ -255,6 +255,39 @@ def test_full_only_is_what_quick_mode_skips(tmp_path):
     assert FULL.elastic_jobs and FULL.silent_runs > 0
 
 
+@pytest.mark.parametrize("short_jobs", ["ran", "failed"])
+def test_the_kill_jobs_are_sized_from_the_shorter_jobs_step_time(tmp_path, monkeypatch, short_jobs):
+    import bench.__main__ as b
+    from bench.fault_cost import KillPlan
+
+    class Stop(Exception):
+        pass
+
+    def short(work, max_steps, *args, **kwargs):
+        assert max_steps == b.PLAIN_MAX_STEPS  # the shorter jobs run before the kill jobs
+        if short_jobs == "failed":
+            raise RuntimeError("no job")
+        times = [0.13] * 20 + [0.05] * 9  # median 0.13
+        return {"metrics": [{"step_time_s": t} for t in times], "events": [], "logs": []}
+
+    plans = []
+
+    def kill_job(work, plan, *args, **kwargs):
+        plans.append(plan)
+        raise Stop
+
+    monkeypatch.setattr(b, "warm_available", lambda: True)
+    monkeypatch.setattr(b, "cold_init_s", lambda work: 1.0)
+    monkeypatch.setattr(b, "elastic_run", short)
+    monkeypatch.setattr(b, "restarts", lambda *args: [])
+    monkeypatch.setattr(b, "fault_cost_run", kill_job)
+    with pytest.raises(Stop):
+        b._elastic(str(tmp_path), b.FULL)
+    expected = KillPlan.sized(0.13) if short_jobs == "ran" else b.KILL_PLAN
+    assert plans == [expected]
+    assert (plans[0] == b.KILL_PLAN) == (short_jobs == "failed")
+
+
 def test_memory_group_uses_the_memory_tier_modes_of_ours():
     from bench import memory_tier
     from bench.__main__ import FULL
