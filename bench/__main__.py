@@ -351,8 +351,9 @@ def _not_full(names: tuple[str, ...]) -> list[m.Metric]:
 def _elastic(work: str, mode: Mode) -> list[m.Metric]:
     """restart_overhead, fault_cost_s, ettr: one job with the memory tier, one durable only
     (both through the warm launcher when it is installed, on our rendezvous backend), cold
-    inits around them; beside them two shorter jobs for the detail of restart_overhead:
-    the trainer itself (cold path) and the warm launcher on torchrun's c10d."""
+    inits around them; before them two shorter jobs for the detail of restart_overhead:
+    the trainer itself (cold path) and the warm launcher on torchrun's c10d, whose median
+    step time sizes the kill plan (:meth:`KillPlan.sized`: a fault about every 30 s)."""
     if not mode.elastic_jobs:
         return _not_full(("restart_overhead", "fault_cost_s", "ettr"))
     warm = warm_available()
