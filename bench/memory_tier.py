@@ -23,9 +23,11 @@ Two metrics, each against its baseline measured in the same run, printed as JSON
   between). 2 spawned ranks, one node each; for the memory side node 1's memory
   directory is deleted first (a lost node), so rank 1's shard comes from node 0's replica
   over gloo: the peer restore. The disk side drops the page cache first (cold, like
-  ``load_vs_disk``). Each sample is a fresh pair of processes: build the state with
-  another seed, one untimed resume (imports, code paths), then the timed one
-  (barrier -> resume -> barrier). detail also has the restore with both nodes intact (a
+  ``load_vs_disk``); before each memory restore every node's memory files are copied
+  anew from the saved ones, as a save leaves them (:data:`AFTER_DROP`: why, and the one
+  peer restore after a drop that the detail reports). Each sample is a fresh pair of
+  processes: build the state with another seed, one untimed resume (imports, code
+  paths), then the timed one (barrier -> resume -> barrier). detail also has the restore with both nodes intact (a
   killed worker: every shard is on its node), from the first round only the warm disk
   restore and the one from the GCS emulator, and the memory restore's phases; every
   restore is checked against the saved state (sha256).
@@ -69,6 +71,16 @@ HEADLINE_K = 5
 RANKS = 2
 CORE_SIDES = ("memory_peer", "disk_cold", "memory_intact")
 """The restores of every round of peer_restore_vs_disk: its two sides and the intact one."""
+AFTER_DROP = "memory_peer_after_drop"
+"""One peer restore after the rounds, from node 0's files right after a page-cache drop
+(detail only). A drop (``drop_caches``, or ``POSIX_FADV_DONTNEED`` on the files) cannot
+evict a tmpfs page, but it marks each one ``PG_reclaim``, which the kernel reads as
+``PG_readahead``; its fault-around then skips those pages, so every 4 KB page of a map
+faults on its own (16x the faults), and the sender's gloo sends from its map cost about
+twice the CPU; until the page is written again. A snapshot as a save leaves it (new pages)
+has none of that, and a run's memory snapshots get there only if something drops the
+caches after they are written; the rounds therefore restore every node's memory files
+from a copy before each memory restore, and the disk side's drops do not carry over."""
 EXTRA_SIDES = ("disk_warm", "gcs")
 """Restores in the first round only (one sample each, for the detail): the warm disk and,
 when fake-gcs-server is here, the emulated object store."""
@@ -256,10 +268,12 @@ def restore_sample(
 ) -> dict:
     """One timed resume (after an untimed one) in a fresh pair of processes; with
     ``baseline``, then :func:`transfer_baseline` of the bytes this resume shipped."""
+    import torch
     import torch.distributed as dist
 
     import ckpt
 
+    torch.set_num_threads(1)  # as under torchrun (OMP_NUM_THREADS=1)
     os.environ["CKPT_MEMORY_DIR"] = _node(memory, rank)
     model, optim = build_trained(width, seed=1)
     events: list[tuple[str, dict]] = []
@@ -401,8 +415,18 @@ def restore_rounds(work: str, memory: str, mode: Mode, gcs_root: str | None) -> 
     saved = run_on_ranks(
         restore_save, RANKS, root, memory, width, gcs_root, timeout_s=mode.timeout_s
     )[0]
-    backup = os.path.join(memory, "node1-backup")
-    shutil.copytree(_node(memory, 1), backup)
+    backups = [os.path.join(memory, f"node{r}-backup") for r in range(RANKS)]
+    for r, backup in enumerate(backups):
+        shutil.copytree(_node(memory, r), backup)
+
+    def place(side: str) -> None:
+        """Each node's memory as the save left it (new tmpfs pages, see
+        :data:`AFTER_DROP`); none on node 1 for the peer restore."""
+        for r, backup in enumerate(backups):
+            shutil.rmtree(_node(memory, r), ignore_errors=True)
+            if not (r == 1 and side == "memory_peer"):
+                shutil.copytree(backup, _node(memory, r))
+
     extra = list(EXTRA_SIDES) if gcs_root is not None else [EXTRA_SIDES[0]]
     times: dict[str, list[float]] = {s: [] for s in CORE_SIDES + tuple(extra)}
     phases: dict[str, list[Any]] = {s: [] for s in times}
@@ -413,9 +437,7 @@ def restore_rounds(work: str, memory: str, mode: Mode, gcs_root: str | None) -> 
         n = len(CORE_SIDES)
         order = list(CORE_SIDES[i % n :] + CORE_SIDES[: i % n]) + (extra if i == 0 else [])
         for side in order:
-            shutil.rmtree(_node(memory, 1), ignore_errors=True)
-            if side != "memory_peer":
-                shutil.copytree(backup, _node(memory, 1))
+            place(side)
             tier = "memory" if side.startswith("memory") else side
             where = gcs_root if side == "gcs" else root
             got = run_on_ranks(restore_sample, RANKS, where, memory, width, tier,
@@ -432,6 +454,13 @@ def restore_rounds(work: str, memory: str, mode: Mode, gcs_root: str | None) -> 
                     baselines.append(g["baseline"])
             if got[0]["cache_drop"]:
                 methods.add(got[0]["cache_drop"])
+    # One more peer restore, from node 0's files after a cache drop (detail only).
+    place("memory_peer")
+    methods.add(disk.drop_page_cache(disk.files_under(_node(memory, 0))))
+    got = run_on_ranks(restore_sample, RANKS, root, memory, width, "memory",
+                       timeout_s=mode.timeout_s)  # fmt: skip
+    assert all(g["digest"] == saved["digest"] for g in got), f"{AFTER_DROP}: restored state differs"
+    times[AFTER_DROP] = [got[0]["s"]]
     return {"times": times, "phases": phases, "bytes": saved["bytes"], "width": width,
             "cache_drop": sorted(methods), "gcs": gcs_root, "transfers": transfers,
             "baselines": baselines}  # fmt: skip
@@ -454,6 +483,9 @@ def restore_metric(raw: dict, mode: Mode) -> dict:
         "memory_intact_phases_s": raw["phases"]["memory_intact"][-1],
         "cache_drop": raw["cache_drop"],
     }
+    if AFTER_DROP in med:  # see AFTER_DROP: not in the value
+        detail["peer_after_drop_s"] = round(med[AFTER_DROP], 4)
+        detail["peer_after_drop_vs_disk_cold"] = round(med[AFTER_DROP] / med["disk_cold"], 4)
     detail.update(_transfer_detail(raw, med["memory_peer"]))
     if "gcs" in med:
         detail["gcs_emulator_median_s"] = round(med["gcs"], 4)

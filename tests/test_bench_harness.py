@@ -297,6 +297,60 @@ def test_memory_group_uses_the_memory_tier_modes_of_ours():
     assert set(m.GROUPS["memory"]) <= set(memory_tier.TARGETS)
 
 
+def test_every_memory_restore_starts_from_the_files_a_save_left(tmp_path, monkeypatch):
+    """Before each memory restore of peer_restore_vs_disk every node's memory files are
+    new copies (the disk side's cache drops mark tmpfs pages for reclaim, which slows a
+    later map of them); node 1's are gone for the peer restore only; one more peer
+    restore after a drop goes to the detail, not into the value."""
+    from bench import memory_tier as mt
+
+    drops: list[int] = []
+    seen: list[dict] = []
+
+    def fake_run(fn, ranks, *args, timeout_s):
+        memory = args[1]
+        if fn is mt.restore_save:
+            for r in range(ranks):
+                os.makedirs(mt._node(memory, r))
+                with open(os.path.join(mt._node(memory, r), "shard"), "w") as f:
+                    f.write(f"node {r}")
+            return [{"digest": "d", "bytes": 100}] * ranks
+        tier = args[3]
+        node0 = os.path.join(mt._node(memory, 0), "shard")
+        with open(node0) as f:
+            fresh = f.read() == "node 0"
+        with open(node0, "a") as f:  # a later restore sees this unless the file is copied anew
+            f.write(" used")
+        seen.append({
+            "tier": tier, "peer": len(args) > 4 and args[4],
+            "node1": os.path.isdir(mt._node(memory, 1)), "fresh": fresh, "drops": len(drops),
+        })  # fmt: skip
+        s = {"memory": 0.2, "disk_cold": 0.4}.get(tier, 0.3)
+        if tier == "memory" and len(seen) > 1 and seen[-1]["drops"] > seen[-2]["drops"]:
+            s = 0.9  # a restore right after a drop: must not count
+        out = {"s": s, "digest": "d", "phases": {}, "transfer": None,
+               "cache_drop": "drop_caches" if tier == "disk_cold" else None}  # fmt: skip
+        if tier == "disk_cold":
+            drops.append(1)
+        return [out] * ranks
+
+    monkeypatch.setattr(mt, "run_on_ranks", fake_run)
+    monkeypatch.setattr(mt.disk, "drop_page_cache", lambda paths: drops.append(1) or "drop_caches")
+    mode = mt.Mode("t", 1, 1, 1 << 20, restore_rounds=3, timeout_s=60)
+    raw = mt.restore_rounds(str(tmp_path), str(tmp_path / "memory"), mode, None)
+    memory_samples = [x for x in seen if x["tier"] == "memory"]
+    assert len(memory_samples) == 3 * 2 + 1
+    assert all(x["fresh"] for x in seen)  # a new copy of node 0's files every time
+    for x in memory_samples[:-1]:
+        assert x["node1"] is not x["peer"]  # node 1 lost for the peer restore only
+    last = memory_samples[-1]
+    assert last is seen[-1] and not last["node1"] and last["drops"] > seen[-2]["drops"]
+    assert raw["times"][mt.AFTER_DROP] == [0.9]
+    metric = mt.restore_metric(raw, mode)
+    assert metric["value"] == pytest.approx(0.2 / 0.4)
+    assert metric["detail"]["peer_after_drop_s"] == pytest.approx(0.9)
+
+
 def test_memory_metrics_take_target_and_direction_from_our_table():
     raw = {
         "memory_tier_stall": {"value": 0.015, "target": 99.0, "ok": False, "detail": {"k": 5}},

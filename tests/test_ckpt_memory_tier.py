@@ -378,6 +378,42 @@ def test_a_chunk_is_waited_for_once_and_only_when_a_read_covers_it():
     assert [w.waits for w in works] == [1, 1, 1]
 
 
+def test_sends_are_posted_in_order_off_the_loading_thread_and_each_waited_once(monkeypatch):
+    import threading
+    import types
+
+    from ckpt.memory import restore
+
+    posted: list[tuple[int, int, str]] = []
+    waits: list[int] = []
+
+    class Work:
+        def __init__(self, tag: int) -> None:
+            self.tag = tag
+
+        def wait(self) -> bool:
+            waits.append(self.tag)
+            if self.tag == 2:
+                raise RuntimeError("connection reset by peer")
+            return True
+
+    def isend(data, dst, group, tag):
+        posted.append((dst, tag, threading.current_thread().name))
+        if tag == 4:
+            raise RuntimeError("gloo: peer closed")
+        return Work(tag)
+
+    monkeypatch.setattr(restore, "dist", types.SimpleNamespace(isend=isend))
+    data = torch.zeros(4, dtype=torch.uint8)
+    sender = restore._Sender("group", [(data, 1, tag) for tag in (1, 2, 3, 4, 5)])
+    error = sender.settle()
+    assert [(d, t) for d, t, _ in posted] == [(1, 1), (1, 2), (1, 3), (1, 4)]  # stops at a failure
+    assert {name for _, _, name in posted} == {"ckptmem-send"}  # not the loading thread
+    assert waits == [1, 2, 3]  # every posted send waited once
+    assert error is not None and "peer closed" in error  # the posting error first
+    assert sender.settle() is None and waits == [1, 2, 3]  # nothing waited twice
+
+
 def test_closing_a_file_waits_for_every_chunk_still_arriving():
     from ckpt.memory import fs as memory_fs
 

@@ -7,7 +7,7 @@ files are what this rank can reach without copying them first:
 - a file on this node's tmpfs: a read-only ``mmap`` of it (a ranged read is a view of
   the page cache, no copy; the loader's checksum and its copy into the destination
   tensor read straight from it), except the values of tensor items this rank loads
-  whole into their own memory, read (``preadv``) straight into it (:class:`LocalFile`);
+  whole into their own memory, copied from the map straight into it (:class:`LocalFile`);
 - a file from another node: only the byte ranges this rank's load plan reads, arriving
   over gloo in chunks (:class:`Arriving`); a read waits for the chunks it covers only,
   so the loader checks and copies the first bytes while the rest are still on the wire
@@ -61,6 +61,7 @@ class MappedFile(SnapshotFile):
 
     def __init__(self, path: str, size: int) -> None:
         self.size = size
+        self.path = path
         with open(path, "rb") as f:
             actual = os.fstat(f.fileno()).st_size
             if actual != size:
@@ -144,63 +145,51 @@ class Arriving:
             chunk[3] = f"{type(exc).__name__}: {exc}"
 
 
-def read_into(fd: int, view: memoryview, offset: int) -> None:
-    """Fill ``view`` with the bytes of ``fd`` from ``offset`` (``preadv``; raises
-    ``OSError`` when the file ends first)."""
-    got, size = 0, view.nbytes
-    while got < size:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            raise OSError(f"the file ends at byte {offset + got}")
-        got += n
+class _MapCopy:
+    """A deferred copy of bytes ``[offset, offset + len(dst))`` of a mapped file into
+    ``dst``: a work like a receive's, done by the first :meth:`wait` (:meth:`Arriving.wait`
+    calls it once, when a read first covers those bytes)."""
 
+    __slots__ = ("dst", "mapped", "offset")
 
-class _Pread:
-    """A deferred read of ``view.nbytes`` bytes at ``offset`` of ``fd`` into ``view``: a
-    work like a receive's, done by the first :meth:`wait` (:meth:`Arriving.wait` calls
-    it once, when a read first covers those bytes)."""
-
-    __slots__ = ("fd", "offset", "view")
-
-    def __init__(self, fd: int, view: memoryview, offset: int) -> None:
-        self.fd, self.view, self.offset = fd, view, offset
+    def __init__(self, mapped: MappedFile, dst: torch.Tensor, offset: int) -> None:
+        self.mapped, self.dst, self.offset = mapped, dst, offset
 
     def wait(self) -> None:
-        read_into(self.fd, self.view, self.offset)
+        self.dst.copy_(self.mapped.tensor(self.offset, self.offset + self.dst.numel()))
 
 
 class LocalFile(SnapshotFile):
     """A file on this node's tmpfs, as :class:`MappedFile`, except the values of the tensor
     items this rank loads whole into their own memory (``segments``: ``(start, end,
     destination bytes)``; ``placed``: item offset -> ``(offset, bytes)`` of those values,
-    as :class:`PiecesFile` has them): those are read (``preadv``) straight into the
+    as :class:`PiecesFile` has them): those are copied from the map straight into the
     destination when the loader first reads them, and a read across them returns a
     :class:`~ckpt.reader.Scattered` of map views and destinations, which the loader
-    checks and uses in place.
+    checks (in the destination, after the copy) and uses in place: one copy, no buffer.
 
-    Why not the map alone: the loader's first touch of a tmpfs mapping page-faults every
-    page in. Measured here (256 MB, one process): 0.05 s on pages just written, but
-    0.18 s once the kernel had dropped its caches (``drop_caches``: as after memory
-    pressure), and it stayed so for that file; a ``read`` of the same bytes took 0.064 s
-    either way, and it is the copy into the destination that the load makes anyway.
+    Why a copy from the map and not a ``read``: measured here (256 MB, one process, pages
+    as a save leaves them) the map's copy took 0.022-0.026 s and a ``preadv`` 0.042-0.052
+    (tmpfs reads go page by page). After a page-cache drop (``drop_caches``, or
+    ``POSIX_FADV_DONTNEED`` on the file) the map's copy takes 0.06 s, as the kernel's
+    fault-around skips pages it marked for reclaim (see ``bench.memory_tier.AFTER_DROP``),
+    and the read 0.05 s.
     """
 
     def __init__(
         self,
         mapped: MappedFile,
-        path: str,
         segments: list[tuple[int, int, torch.Tensor]],
         placed: dict[int, tuple[int, int]],
     ) -> None:
         self.mapped = mapped
         self.size = mapped.size
         self.placed = placed
-        self._fd = os.open(path, os.O_RDONLY)
         self.in_place_bytes = sum(end - start for start, end, _ in segments)
         self.pieces: list[Arriving] = []
         for start, end, buf in sorted(segments, key=lambda s: s[0]):
-            piece = Arriving(start, buf, path)
-            piece.add(start, end, _Pread(self._fd, piece.view, start))
+            piece = Arriving(start, buf, f"the map of {mapped.path}")
+            piece.add(start, end, _MapCopy(mapped, buf, start))
             self.pieces.append(piece)
 
     def read(self, start: int, end: int) -> memoryview | Scattered:
@@ -222,10 +211,7 @@ class LocalFile(SnapshotFile):
         return Scattered(start, parts, self.placed)
 
     def close(self) -> None:
-        """Close the file and the map; a value never read is not read now."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Close the map; a value never read is not read now."""
         self.mapped.close()
 
 
