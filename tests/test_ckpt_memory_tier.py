@@ -277,8 +277,8 @@ def test_a_corrupted_copy_is_replaced_by_the_replica_on_the_other_node(tmp_path,
 
 
 def test_an_intact_restore_reads_the_values_straight_into_their_destination(tmp_path):
-    """Both nodes intact, same world: each rank reads the values of its own shards from
-    its node's copy (``preadv``) into its parameters and AdamW state, no buffer, no copy."""
+    """Both nodes intact, same world: each rank copies the values of its own shards from
+    the map of its node's copy into its parameters and AdamW state: no buffer, one copy."""
     root = str(tmp_path / "ckpt")
     nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
     saved = run_ok(_train, 2, root, nodes, 4, 0, 1)
