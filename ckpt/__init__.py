@@ -58,6 +58,7 @@ from ckpt.errors import (
     StateMismatchError,
     StorageError,
     TooManySaveFailuresError,
+    UnsupportedStateError,
 )
 from ckpt.export import ExportResult, export
 from ckpt.manager import CheckpointManager, ResumeInfo
@@ -91,6 +92,7 @@ __all__ = [
     "StorageError",
     "StorageOptions",
     "TooManySaveFailuresError",
+    "UnsupportedStateError",
     "VerifyReport",
     "close",
     "export",

@@ -158,6 +158,8 @@ class AsyncSaver:
         self._atexit_registered = False
         self._gate_handles: list[Any] = []
         self._housekeeping: list[threading.Thread] = []
+        self.said_left_alone: set[str] = set()
+        """URLs retention left in place and said so (at WARNING once each, not per prune)."""
 
     @property
     def pending(self) -> PendingSave | None:

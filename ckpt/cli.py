@@ -13,15 +13,21 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ckpt.discovery import PARTIAL, QUARANTINED, Catalog, resolve
-from ckpt.errors import CheckpointError, CheckpointNotFoundError
-from ckpt.layout import DCP_METADATA_NAME, MANIFEST_NAME
-from ckpt.manifest import Manifest
-from ckpt.quarantine import parse_quarantined_dirname
+from ckpt import ownership
+from ckpt.discovery import FOREIGN, PARTIAL, QUARANTINED, RENAMED, Catalog, resolve
+from ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ckpt.layout import (
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    QUARANTINE_MARKER_NAME,
+    parse_checkpoint_dirname,
+)
+from ckpt.manifest import MAX_MANIFEST_BYTES, Manifest
+from ckpt.quarantine import parse_quarantined_dirname, record_matches
 from ckpt.quarantine import read_record as read_quarantine_record
-from ckpt.reader import ShardReader, load_metadata
+from ckpt.reader import ShardReader
 from ckpt.retention import RetentionPolicy, apply_retention
-from ckpt.storage import Storage
+from ckpt.storage import DIR, Storage
 from ckpt.verify import MODE_CHECKSUM, MODE_DEEP, MODE_FAST, VerifyReport, verify_dir
 
 EXIT_OK = 0
@@ -38,10 +44,19 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def shown(text: object) -> str:
+    """``text`` safe for a terminal: names and reasons come from the checkpoint root, which
+    anyone with write access to it controls (control characters are escaped)."""
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text)
+    )
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     catalog = Catalog(Storage(args.url))  # one listing for checkpoints and quarantined ones
     infos = list(catalog)
     aside = catalog.quarantined()
+    foreign = catalog.foreign()
     if args.json:
         rows = [
             {
@@ -66,9 +81,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
             }
             for q in aside
         ]
+        rows += [
+            {"name": f.name, "status": FOREIGN, "url": f.url, "reason": f.reason} for f in foreign
+        ]
         print(json.dumps(rows, indent=1))
         return EXIT_OK
-    if not infos and not aside:
+    if not infos and not aside and not foreign:
         print(f"no checkpoints under {args.url}")
         return EXIT_OK
     print(f"{'STEP':>10}  {'STATUS':<11}  {'SIZE':>10}  {'WORLD':>5}  {'CREATED':<24}  NOTE")
@@ -76,16 +94,28 @@ def cmd_ls(args: argparse.Namespace) -> int:
         size = human_bytes(i.manifest.total_bytes) if i.manifest else "-"
         world = str(i.manifest.world_size) if i.manifest else "-"
         created = i.manifest.created_at[:23] if i.manifest else "-"
-        print(f"{i.step:>10}  {i.status:<11}  {size:>10}  {world:>5}  {created:<24}  {i.reason}")
+        print(
+            f"{i.step:>10}  {i.status:<11}  {size:>10}  {world:>5}  {shown(created):<24}  "
+            f"{shown(i.reason)}"
+        )
     for q in aside:
         print(
-            f"{q.step:>10}  {QUARANTINED:<11}  {'-':>10}  {'-':>5}  {q.quarantined_at[:23]:<24}  "
-            f"{q.dirname}: {q.reason}"
+            f"{q.step:>10}  {QUARANTINED:<11}  {'-':>10}  {'-':>5}  "
+            f"{shown(q.quarantined_at[:23]):<24}  {q.dirname}: {shown(q.reason)}"
+        )
+    for f in foreign:
+        print(
+            f"{'-':>10}  {FOREIGN:<11}  {'-':>10}  {'-':>5}  {'-':<24}  {shown(f.name)}: {f.reason}"
         )
     committed = sum(i.committed for i in infos)
     partial = sum(i.status == PARTIAL for i in infos)
     quarantined = len(aside) + sum(i.status == QUARANTINED for i in infos)
-    print(f"{committed} committed, {partial} partial, {quarantined} quarantined, under {args.url}")
+    others = len(foreign) + sum(i.status in (FOREIGN, RENAMED) for i in infos)
+    print(
+        f"{committed} committed, {partial} partial, {quarantined} quarantined"
+        + (f", {others} foreign or renamed (left alone)" if others else "")
+        + f", under {args.url}"
+    )
     return EXIT_OK
 
 
@@ -109,20 +139,24 @@ def _verify_quarantined(url: str, mode: str) -> int:
         "reason", "no QUARANTINED record"
     )
     try:
-        manifest = Manifest.from_bytes(ckpt_dir.read_bytes(MANIFEST_NAME), url=url)
+        if ckpt_dir.local_kind("") not in (None, DIR):
+            raise CorruptCheckpointError(f"{url} is not a directory (a link is never followed)")
+        manifest = Manifest.from_bytes(
+            ckpt_dir.read_bytes(MANIFEST_NAME, max_bytes=MAX_MANIFEST_BYTES), url=url
+        )
     except CheckpointError as exc:
-        print(f"FAIL  {url} (quarantined: {reason}): manifest.json unreadable: {exc}")
+        print(f"FAIL  {url} (quarantined: {shown(reason)}): manifest.json unreadable: {exc}")
         return EXIT_FAILED
     report = _verify_as_resume_would(ckpt_dir, manifest, mode)
     if not report.ok:
-        print(f"FAIL  {url} (step {manifest.step}, {mode}; quarantined: {reason}):")
+        print(f"FAIL  {url} (step {manifest.step}, {mode}; quarantined: {shown(reason)}):")
         for path, why in report.problems:
-            print(f"      {path}: {why}")
+            print(f"      {shown(path)}: {shown(why)}")
         return EXIT_FAILED
     unchecked = f", {report.sizes_only} of them by size only" if report.sizes_only else ""
     print(
         f"OK    {url} (step {manifest.step}, {mode}: {report.files_checked} files verify now"
-        f"{unchecked}; it was quarantined for: {reason})"
+        f"{unchecked}; it was quarantined for: {shown(reason)})"
     )
     return EXIT_OK
 
@@ -133,13 +167,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return _verify_quarantined(args.url.rstrip("/"), mode)
     storage, info = resolve(args.url, args.step)
     if not info.committed or info.manifest is None:
-        print(f"FAIL  {info.url}: not committed: {info.reason}")
+        print(f"FAIL  {info.url}: not committed ({info.status}): {shown(info.reason)}")
         return EXIT_FAILED
     report = _verify_as_resume_would(storage.child(info.dirname), info.manifest, mode)
     if not report.ok:
         print(f"FAIL  {info.url} (step {info.step}, {mode}):")
         for path, why in report.problems:
-            print(f"      {path}: {why}")
+            print(f"      {shown(path)}: {shown(why)}")
         return EXIT_FAILED
     if report.sizes_only == 0:
         verdict = "OK   "
@@ -160,13 +194,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage, info = resolve(args.url, args.step)
-    if info.manifest is None:
-        print(f"{info.url}: not committed: {info.reason}")
+    if not info.committed or info.manifest is None:
+        print(f"{info.url}: not committed ({info.status}): {shown(info.reason)}")
         return EXIT_FAILED
     m = info.manifest
-    metadata = load_metadata(
-        storage.child(info.dirname).read_bytes(DCP_METADATA_NAME), url=info.url
-    )
+    metadata = ShardReader(storage.child(info.dirname), m).fetch_metadata()
     tensors = []
     for fqn, md in sorted(metadata.state_dict_metadata.items()):
         size = getattr(md, "size", None)
@@ -215,7 +247,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{sum(1 for _, s, _ in tensors if s is None)} other items"
     )
     for name, shape, dtype in tensors[: args.limit]:
-        print(f"  {name:<60} {dtype:<9} {list(shape) if shape is not None else ''}")
+        print(f"  {shown(name):<60} {dtype:<9} {list(shape) if shape is not None else ''}")
     if len(tensors) > args.limit:
         print(f"  ... {len(tensors) - args.limit} more (use --limit)")
     record = m.metadata.get("ckpt_manager", {})
@@ -228,7 +260,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if record.get("per_rank"):
         print(f"per rank     {', '.join(record['per_rank'])}")
     if m.metadata:
-        print("metadata     " + json.dumps(m.metadata, sort_keys=True)[:500])
+        print("metadata     " + shown(json.dumps(m.metadata, sort_keys=True)[:500]))
     return EXIT_OK
 
 
@@ -242,19 +274,28 @@ def cmd_gc(args: argparse.Namespace) -> int:
     plan = apply_retention(storage, policy, dry_run=args.dry_run)
     for step in plan.keep:
         print(f"keep          step {step:>10}  ({plan.reasons.get(step, '')})")
-    for step in plan.delete:
-        print(f"{verb:<13} step {step:>10}  ({plan.reasons.get(step, '')})")
-    for step in plan.delete_partial:
-        print(f"{verb:<13} step {step:>10}  ({plan.reasons.get(step, '')})")
+    for step in (*plan.delete, *plan.delete_partial):
+        if step in plan.refused:
+            print(f"{'left alone':<13} step {step:>10}  ({shown(plan.refused[step])})")
+        else:
+            print(f"{verb:<13} step {step:>10}  ({plan.reasons.get(step, '')})")
+    for step, kept_at in plan.set_aside.items():
+        print(f"{'quarantined':<13} step {step:>10}  (renamed by hand; kept at {kept_at})")
+    deleted = len(plan.delete) + len(plan.delete_partial) - len(plan.refused)
     print(
-        f"{len(plan.keep)} kept, {len(plan.delete) + len(plan.delete_partial)} {verb}"
+        f"{len(plan.keep)} kept, {deleted} {verb}"
+        + (f", {len(plan.refused)} left alone (not provably ours)" if plan.refused else "")
         + (" (dry run: nothing was deleted)" if args.dry_run else "")
     )
     return EXIT_OK
 
 
 def _gc_quarantined(storage: Storage, args: argparse.Namespace, verb: str) -> int:
-    """Delete quarantined checkpoints (``--quarantined``), or say how many are kept."""
+    """Delete quarantined checkpoints (``--quarantined``), or say how many are kept.
+
+    Only a directory whose QUARANTINED record names it (step and stamp) and whose files
+    are all this library's is deleted (:mod:`ckpt.ownership`); others are said and kept.
+    """
     catalog = Catalog(storage)
     aside = [(q.dirname, q.step, q.reason) for q in catalog.quarantined()]
     aside += [(i.dirname, i.step, i.reason) for i in catalog if i.status == QUARANTINED]
@@ -264,15 +305,49 @@ def _gc_quarantined(storage: Storage, args: argparse.Namespace, verb: str) -> in
                 f"kept          {len(aside)} quarantined checkpoint(s) (--quarantined deletes them)"
             )
         return EXIT_OK
+    deleted = 0
     for dirname, step, reason in aside:
+        why = _not_quarantined_by_us(storage, dirname)
+        if why:
+            print(f"{'left alone':<13} step {step:>10}  ({shown(dirname)}: {why})")
+            continue
         if not args.dry_run:
             storage.remove_tree(dirname)
-        print(f"{verb:<13} step {step:>10}  (quarantined {dirname}: {reason})")
+        deleted += 1
+        print(f"{verb:<13} step {step:>10}  (quarantined {shown(dirname)}: {shown(reason)})")
     print(
-        f"{len(aside)} quarantined {verb}"
+        f"{deleted} quarantined {verb}"
+        + (f", {len(aside) - deleted} left alone" if deleted < len(aside) else "")
         + (" (dry run: nothing was deleted)" if args.dry_run else "")
     )
     return EXIT_OK
+
+
+def _in_place_of_own_step(storage: Storage, dirname: str) -> bool:
+    """A quarantine interrupted before its move: still under its checkpoint name, with a
+    QUARANTINED record, and a manifest of the step that name says."""
+    step = parse_checkpoint_dirname(dirname)
+    if step is None or not storage.exists(f"{dirname}/{QUARANTINE_MARKER_NAME}"):
+        return False
+    try:
+        raw = storage.read_bytes(f"{dirname}/{MANIFEST_NAME}", max_bytes=MAX_MANIFEST_BYTES)
+        return Manifest.from_bytes(raw).step == step
+    except CheckpointError:
+        return False
+
+
+def _not_quarantined_by_us(storage: Storage, dirname: str) -> str:
+    """Why a quarantined-looking directory must not be deleted; empty when it may be."""
+    record = read_quarantine_record(storage, dirname)
+    if not record_matches(record, dirname) and not _in_place_of_own_step(storage, dirname):
+        return "no QUARANTINED record written for this directory: not set aside by ckpt"
+    try:
+        foreign = ownership.strangers(storage.child(dirname).list_files())
+    except CheckpointError as exc:
+        return f"cannot list it ({exc})"
+    if foreign:
+        return f"it holds files this library did not write ({', '.join(foreign[:3])})"
+    return ""
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -306,7 +381,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("ls", help="committed and partial checkpoints, newest first")
+    p = sub.add_parser(
+        "ls",
+        help="committed, partial, quarantined and foreign entries (links, stray files), "
+        "newest first",
+    )
     p.add_argument("url")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
@@ -317,8 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check every file of a committed checkpoint against its manifest. "
         "Default: each file's size and crc32c; the crc32c is the one the backend reports "
         "for the object where it has one (GCS: nothing is downloaded), otherwise the file "
-        "is read and checksummed (local files, file://, memory://). Then .metadata is "
-        "decoded with the loader a resume uses (no code runs): OK means loadable. A "
+        "is read and checksummed (local files, file://, memory://). A file that is a "
+        "symbolic link fails (links are never followed). Then .metadata is decoded with "
+        "the loader a resume uses: an exact list of DCP's metadata classes, no code runs, "
+        "every item inside a shard file the manifest lists, with a crc32c. OK means "
+        "loadable. A "
         "quarantined directory's URL (checkpoint_N.quarantined-STAMP) is checked against "
         "its own manifest.json, for forensics.",
     )

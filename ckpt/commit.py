@@ -34,16 +34,30 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt import async_save as _async
-from ckpt import env
+from ckpt import env, ownership
 from ckpt.checksum import crc32c_of
-from ckpt.discovery import Catalog, inspect_dir
+from ckpt.discovery import RENAMED, Catalog, inspect_dir
 from ckpt.dist import Collective
 from ckpt.dist import quiet_single_process as _quiet_single_process
-from ckpt.errors import CheckpointError, CheckpointExistsError, FencedError, SaveFailedError
-from ckpt.layout import COMPLETE_NAME, MANIFEST_NAME, QUARANTINE_MARKER_NAME, checkpoint_dirname
+from ckpt.errors import (
+    CheckpointDirError,
+    CheckpointError,
+    CheckpointExistsError,
+    FencedError,
+    SaveFailedError,
+    UnsupportedStateError,
+)
+from ckpt.layout import (
+    ATTEMPT_NAME,
+    COMPLETE_NAME,
+    MANIFEST_NAME,
+    QUARANTINE_MARKER_NAME,
+    checkpoint_dirname,
+)
 from ckpt.manifest import Attempt, CompleteMarker, FileEntry, Manifest
 from ckpt.quarantine import finish_move as finish_quarantine_move
-from ckpt.retention import RetentionPolicy, apply_retention
+from ckpt.retention import RetentionPolicy, apply_retention, set_aside_renamed
+from ckpt.state_check import checked_state
 from ckpt.storage import Storage, StorageOptions
 from ckpt.writer import BlockSavePlanner, ShardWriter
 from runcore import events as ev
@@ -139,6 +153,12 @@ def save(
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     optimizers = _optimizers(overlap_staging, async_save)
+    # Refused before anything is written, on every rank alike: the outcome travels with
+    # the protocol's first collective (a rank raising alone would leave its peers waiting).
+    try:
+        state, state_error = checked_state(state), ""
+    except UnsupportedStateError as exc:
+        state, state_error = {}, str(exc)
     saver = (
         _async.default_saver() if _saver is None else _saver
     )  # a CheckpointManager passes its own
@@ -164,6 +184,7 @@ def save(
             started=started,
             blocking_s=blocking_s,
             saver=saver,
+            state_error=state_error,
         )
 
     if not async_save:
@@ -198,15 +219,26 @@ def _save_staged(
     started: float,
     blocking_s: float | None,
     saver: _async.AsyncSaver,
+    state_error: str = "",
 ) -> str:
-    """The save protocol (module docstring) on ``state``; on the caller's or the save thread."""
+    """The save protocol (module docstring) on ``state``; on the caller's or the save thread.
+
+    ``state_error``: why this rank's state cannot be saved (:mod:`ckpt.state_check`);
+    every rank raises it after the first collective, before anything is written.
+    """
     storage.faults.rank = coll.rank
     storage.faults.step = step
     dirname = checkpoint_dirname(step)
     ckpt_dir = storage.child(dirname)
     url = ckpt_dir.root_url
 
-    peers = coll.all_gather(_local_identity())
+    peers = coll.all_gather({**_local_identity(), "state_error": state_error})
+    for rank, peer in enumerate(peers):
+        if peer.get("state_error"):
+            raise UnsupportedStateError(
+                f"step {step} was not saved (nothing was written to {url}): rank {rank}: "
+                f"{peer['state_error']}"
+            )
     attempt = Attempt(
         run_id=str(peers[0]["run_id"]),
         restart_count=max(int(p["restart_count"]) for p in peers),
@@ -274,6 +306,7 @@ def _save_staged(
         ckpt_dir.write_bytes(COMPLETE_NAME, marker.to_bytes(), phase="complete")
         ckpt_dir.sync_dir()
         storage.sync_dir()
+        _drop_attempt_record(ckpt_dir)
         return manifest.total_bytes
 
     try:
@@ -305,19 +338,32 @@ def _save_staged(
         )
     if retention is not None and coll.is_coordinator:
         saver.start_housekeeping(
-            lambda: _retention_in_background(storage, retention), name="ckpt-retention"
+            lambda: _retention_in_background(
+                storage, retention, attempt.run_id, saver.said_left_alone
+            ),
+            name="ckpt-retention",
         )
     return url
 
 
 def _prepare(storage: Storage, dirname: str, attempt: Attempt, started_at: float) -> None:
-    """Coordinator: refuse to overwrite a commit, fence, clear a dead attempt's leftovers.
+    """Coordinator: refuse to overwrite a commit, fence, clear a dead attempt's leftovers,
+    and claim the directory for this attempt (``ATTEMPT``, before any shard).
 
     Lists the root once (a :class:`~ckpt.discovery.Catalog` shared with the fence
-    check); the step's directory is listed only when the root holds it.
+    check); the step's directory is listed only when the root holds it. Leftovers are
+    cleared only when every file in them is one this library writes
+    (:mod:`ckpt.ownership`); anything else stops the save with an error naming them,
+    and a committed checkpoint renamed to this step is quarantined, never deleted.
     """
     catalog = Catalog(storage)
     step = int(dirname.rsplit("_", 1)[-1])
+    for entry in catalog.foreign():
+        if entry.name == dirname:
+            raise CheckpointDirError(
+                f"{entry.url} is {entry.reason.split(':', 1)[0]}, where the checkpoint of step "
+                f"{step} goes; nothing was written. Move it away to save step {step} here."
+            )
     existing = storage.child(dirname).list_files() if catalog.has(step) else {}
     if QUARANTINE_MARKER_NAME in existing and COMPLETE_NAME not in existing:
         # A quarantine interrupted before its move: finish it, never delete the forensics.
@@ -331,14 +377,43 @@ def _prepare(storage: Storage, dirname: str, attempt: Attempt, started_at: float
                 f"of run {info.marker.attempt.run_id!r}); committed checkpoints are never "
                 "overwritten. Resume from it, or save under another step or root."
             )
+        if info.status == RENAMED:
+            set_aside_renamed(storage, info)
+            existing = {}
     _check_fence(storage, attempt, step, started_at, catalog)
     if existing:
+        foreign = ownership.strangers(existing)
+        if foreign:
+            raise CheckpointDirError(
+                f"{storage.url(dirname)} holds files this library did not write "
+                f"({', '.join(foreign[:5])}), where the checkpoint of step {step} goes; "
+                f"nothing was deleted or written. Move them away to save step {step} here."
+            )
+        owner = ownership.uncommitted_owner(storage, dirname)
         logger.warning(
-            "ckpt: removing %d files of an uncommitted save at %s (a dead attempt's leftovers)",
+            "ckpt: removing %d files of an uncommitted save at %s (a dead attempt's leftovers%s)",
             len(existing),
             storage.url(dirname),
+            f", run {owner!r}" if owner is not None else "",
         )
         storage.remove_tree(dirname)
+    storage.child(dirname).write_bytes(
+        ATTEMPT_NAME,
+        ownership.attempt_record(
+            attempt.run_id, attempt.restart_count, attempt.save_id, socket.gethostname()
+        ),
+        phase="attempt",
+    )
+
+
+def _drop_attempt_record(ckpt_dir: Storage) -> None:
+    """Remove ``ATTEMPT`` once committed: a committed checkpoint holds exactly the files
+    of the layout (COMPLETE and the manifest now say whose it is). Best effort: one left
+    behind is harmless (retention and gc know the name)."""
+    try:
+        ckpt_dir.remove(ATTEMPT_NAME)
+    except CheckpointError as exc:
+        logger.debug("ckpt: could not remove %s: %s", ckpt_dir.url(ATTEMPT_NAME), exc)
 
 
 def _check_fence(
@@ -382,12 +457,22 @@ def _remove_failed_save(storage: Storage, dirname: str) -> None:
 
     A full disk must not stay full of a save that will never commit (the next save
     of the step would clear it, but the next steps' saves need the space first). A
-    directory that is committed is never touched. Best effort: a failure here is
-    logged, and the save's own error is what the caller sees.
+    directory that is committed, or holds anything this library did not write, is never
+    touched. Best effort: a failure here is logged, and the save's own error is what
+    the caller sees.
     """
     try:
         files = storage.child(dirname).list_files()
         if COMPLETE_NAME in files and inspect_dir(storage, dirname).committed:
+            return
+        foreign = ownership.strangers(files)
+        if foreign:
+            logger.warning(
+                "ckpt: left %s of the failed save in place: it holds files this library did "
+                "not write (%s)",
+                storage.url(dirname),
+                ", ".join(foreign[:5]),
+            )
             return
         storage.remove_tree(dirname)
     except Exception as exc:  # never hide the save's own error behind the cleanup's
@@ -411,8 +496,10 @@ def _summarize(exc: CheckpointException) -> str:
     return "; ".join(parts) or str(exc)
 
 
-def _retention_in_background(storage: Storage, policy: RetentionPolicy) -> None:
+def _retention_in_background(
+    storage: Storage, policy: RetentionPolicy, run_id: str, said: set[str]
+) -> None:
     try:
-        apply_retention(storage, policy)
+        apply_retention(storage, policy, run_id=run_id, said=said)
     except Exception:
         logger.exception("ckpt: retention under %s failed (checkpoints were kept)", storage.url())

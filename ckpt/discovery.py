@@ -7,8 +7,15 @@ as such by ``python -m ckpt ls``. A directory without COMPLETE but with a
 QUARANTINED record is *quarantined* (:mod:`ckpt.quarantine`, a move interrupted
 half-way): never resumed, never deleted by retention or a new save's clean-up.
 *corrupt* is a committed one that an operation failed to verify or load and did not
-quarantine (:meth:`Catalog.mark`). One operation lists the root once into a
-:class:`Catalog` and passes it down.
+quarantine (:meth:`Catalog.mark`). *renamed* is a committed checkpoint under another
+step's name (its COMPLETE and manifest agree on a step the name does not say): never
+resumed, never deleted, set aside by the operations that would have cleared it. One
+operation lists the root once into a :class:`Catalog` and passes it down.
+
+Everything read here is untrusted input: COMPLETE and manifest.json are read with size
+limits and parsed with checks; an entry named like a checkpoint that is not a directory
+(a plain file, a symbolic link, which is never followed) is *foreign*
+(:meth:`Catalog.foreign`): listed, never read through, never deleted.
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
-from ckpt.errors import CorruptCheckpointError, ObjectNotFoundError
+from ckpt.errors import CorruptCheckpointError, ObjectNotFoundError, ObjectTooLargeError
 from ckpt.layout import (
     COMPLETE_NAME,
     MANIFEST_NAME,
@@ -25,10 +33,10 @@ from ckpt.layout import (
     checkpoint_dirname,
     parse_checkpoint_dirname,
 )
-from ckpt.manifest import CompleteMarker, Manifest
-from ckpt.quarantine import QuarantinedCheckpoint, list_quarantined
+from ckpt.manifest import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, CompleteMarker, Manifest
+from ckpt.quarantine import QuarantinedCheckpoint, list_quarantined, parse_quarantined_dirname
 from ckpt.quarantine import read_record as read_quarantine_record
-from ckpt.storage import Storage
+from ckpt.storage import DIR, LINK, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +45,20 @@ PARTIAL = "partial"
 CORRUPT = "corrupt"
 """Committed, but this operation failed to verify or load it (quarantine turned off)."""
 QUARANTINED = "quarantined"
+FOREIGN = "foreign"
+"""Named like a checkpoint but not a directory of ours: a symbolic link, a plain file."""
+RENAMED = "renamed"
+"""A committed checkpoint whose directory name says another step (renamed by hand)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForeignEntry:
+    """An entry of a root named like a checkpoint that is not a directory of ours."""
+
+    name: str
+    url: str
+    kind: str
+    reason: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,32 +89,40 @@ def inspect_dir(storage: Storage, dirname: str) -> CheckpointInfo:
         raise ValueError(f"{storage.url(dirname)} is not a checkpoint directory name")
     url = storage.url(dirname)
 
-    def partial(reason: str, marker: CompleteMarker | None = None) -> CheckpointInfo:
+    def found(status: str, reason: str, **kw: Any) -> CheckpointInfo:
         return CheckpointInfo(
-            step=step, url=url, dirname=dirname, status=PARTIAL, reason=reason, marker=marker
+            step=step, url=url, dirname=dirname, status=status, reason=reason, **kw
         )
 
+    def partial(reason: str, marker: CompleteMarker | None = None) -> CheckpointInfo:
+        return found(PARTIAL, reason, marker=marker)
+
+    kind = storage.local_kind(dirname)
+    if kind not in (None, DIR):
+        what = "a symbolic link" if kind == LINK else f"a {kind}, not a directory"
+        return found(FOREIGN, f"{what}: not read, never followed or deleted")
+
     try:
-        raw_marker = storage.read_bytes(f"{dirname}/{COMPLETE_NAME}")
+        raw_marker = storage.read_bytes(f"{dirname}/{COMPLETE_NAME}", max_bytes=MAX_MARKER_BYTES)
+    except ObjectTooLargeError:
+        return partial(f"COMPLETE is larger than the {MAX_MARKER_BYTES} bytes of a marker")
     except ObjectNotFoundError:
         if storage.exists(f"{dirname}/{QUARANTINE_MARKER_NAME}"):
             reason = read_quarantine_record(storage, dirname).get("reason", "no reason recorded")
-            return CheckpointInfo(
-                step=step,
-                url=url,
-                dirname=dirname,
-                status=QUARANTINED,
-                reason=f"quarantined (move to a .quarantined- name unfinished): {reason}",
+            return found(
+                QUARANTINED, f"quarantined (move to a .quarantined- name unfinished): {reason}"
             )
         return partial("no COMPLETE marker (save interrupted or in progress)")
     try:
         marker = CompleteMarker.from_bytes(raw_marker, url=url)
     except CorruptCheckpointError as exc:
         return partial(str(exc))
-    if marker.step != step:
-        return partial(f"COMPLETE names step {marker.step}, directory is step {step}", marker)
     try:
-        raw_manifest = storage.read_bytes(f"{dirname}/{MANIFEST_NAME}")
+        raw_manifest = storage.read_bytes(
+            f"{dirname}/{MANIFEST_NAME}", max_bytes=MAX_MANIFEST_BYTES
+        )
+    except ObjectTooLargeError:
+        return partial(f"manifest.json is larger than {MAX_MANIFEST_BYTES} bytes", marker)
     except ObjectNotFoundError:
         return partial("COMPLETE present but manifest.json is missing", marker)
     if not marker.vouches_for(raw_manifest):
@@ -101,11 +131,20 @@ def inspect_dir(storage: Storage, dirname: str) -> CheckpointInfo:
         manifest = Manifest.from_bytes(raw_manifest, url=url)
     except CorruptCheckpointError as exc:
         return partial(str(exc), marker)
-    if manifest.step != step:
-        return partial(f"manifest names step {manifest.step}, directory is step {step}", marker)
-    return CheckpointInfo(
-        step=step, url=url, dirname=dirname, status=COMMITTED, marker=marker, manifest=manifest
-    )
+    if manifest.step != step or marker.step != step:
+        if manifest.step == marker.step:
+            return found(
+                RENAMED,
+                f"renamed: it holds the committed checkpoint of step {marker.step}",
+                marker=marker,
+                manifest=manifest,
+            )
+        return partial(
+            f"COMPLETE names step {marker.step}, manifest step {manifest.step}, directory is "
+            f"step {step}",
+            marker,
+        )
+    return found(COMMITTED, "", marker=marker, manifest=manifest)
 
 
 class Catalog:
@@ -120,13 +159,13 @@ class Catalog:
     Used by one process (the coordinator of the operation); not thread-safe.
     """
 
-    def __init__(self, root: str | Storage, entries: list[tuple[str, bool]] | None = None):
+    def __init__(self, root: str | Storage, entries: list[tuple[str, str]] | None = None):
         self.storage = as_storage(root)
         self._entries = entries
         self._infos: dict[int, CheckpointInfo] = {}
 
     @property
-    def entries(self) -> list[tuple[str, bool]]:
+    def entries(self) -> list[tuple[str, str]]:
         """The root's listing (``Storage.list_dir``), made on first use."""
         if self._entries is None:
             self._entries = self.storage.list_dir()
@@ -135,9 +174,34 @@ class Catalog:
     def steps(self) -> list[int]:
         """Steps of every checkpoint directory in the listing, newest first."""
         return sorted(
-            (s for name, _ in self.entries if (s := parse_checkpoint_dirname(name)) is not None),
+            (
+                s
+                for name, kind in self.entries
+                if kind == DIR and (s := parse_checkpoint_dirname(name)) is not None
+            ),
             reverse=True,
         )
+
+    def foreign(self) -> list[ForeignEntry]:
+        """Entries named like a checkpoint (or a quarantined one) that are not directories:
+        a plain file, a symbolic link (never followed), anything else. Never read, never
+        deleted; listed so that a user sees them."""
+        out = []
+        for name, kind in sorted(self.entries, reverse=True):
+            if kind == DIR:
+                continue
+            if parse_checkpoint_dirname(name) is None and parse_quarantined_dirname(name) is None:
+                continue
+            what = "a symbolic link" if kind == LINK else f"a {kind}, not a directory"
+            out.append(
+                ForeignEntry(
+                    name=name,
+                    url=self.storage.url(name),
+                    kind=kind,
+                    reason=f"{what}: not a checkpoint of this root (never followed or deleted)",
+                )
+            )
+        return out
 
     def has(self, step: int) -> bool:
         """Whether the listing holds a directory for ``step``."""
@@ -171,7 +235,7 @@ class Catalog:
 
 
 def list_checkpoints(
-    root: str | Storage, entries: list[tuple[str, bool]] | None = None
+    root: str | Storage, entries: list[tuple[str, str]] | None = None
 ) -> list[CheckpointInfo]:
     """Every checkpoint directory under ``root``, committed and partial, newest first.
 

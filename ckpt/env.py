@@ -8,8 +8,16 @@ project; :data:`VARIABLES` is this package's part of it.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from collections.abc import Mapping
+
+logger = logging.getLogger(__name__)
+
+MAX_SECONDS = 1e7
+"""The largest timeout a variable may give (about 115 days): a larger one overflows the
+``timedelta`` of a collective, and no checkpoint call should wait that long anyway."""
 
 STORAGE_TIMEOUT_S = "CKPT_STORAGE_TIMEOUT_S"
 STORAGE_RETRIES = "CKPT_STORAGE_RETRIES"
@@ -32,7 +40,7 @@ VARIABLES: dict[str, str] = {
     COLLECTIVE_TIMEOUT_S: "seconds a rank waits in a checkpoint collective (default 600)",
     SAVE_BLOCK_BYTES: "tensor shards above this many bytes are saved as row blocks (8 MiB)",
     SAVE_THREAD_NICE: "nice value of the background save thread (default 19; 0 disables)",
-    MEMORY_DIR: "where the memory tier keeps its snapshots (default /dev/shm/ckpt-memory)",
+    MEMORY_DIR: "where the memory tier keeps its snapshots (default /dev/shm/ckpt-memory-<uid>; must be this user's)",
     RUN_ID: "set by torchrun: the run id recorded in each checkpoint's writer identity",
     RESTART_COUNT: "set by torchrun: the restart count recorded with the run id",
     EMULATOR_HOST: "a GCS emulator's URL: gs:// goes there, anonymously",
@@ -54,6 +62,7 @@ def get_int(
     default: int,
     *,
     minimum: int | None = None,
+    maximum: int | None = None,
     env: Mapping[str, str] | None = None,
 ) -> int:
     """An integer variable, ``default`` when unset or empty; ``ValueError`` naming it else."""
@@ -64,8 +73,13 @@ def get_int(
         value = int(raw)
     except ValueError:
         value = None
-    if value is None or (minimum is not None and value < minimum):
+    if (
+        value is None
+        or (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
+    ):
         bound = "an integer" if minimum is None else f"an integer >= {minimum}"
+        bound += f" and <= {maximum}" if maximum is not None else ""
         raise ValueError(f"{name}={raw!r}: expected {bound} (default {default})")
     return value
 
@@ -75,9 +89,12 @@ def get_float(
     default: float,
     *,
     positive: bool = False,
+    minimum: float | None = None,
+    maximum: float = MAX_SECONDS,
     env: Mapping[str, str] | None = None,
 ) -> float:
-    """A number variable, ``default`` when unset or empty; ``ValueError`` naming it else."""
+    """A finite number variable, ``default`` when unset or empty; ``ValueError`` naming it
+    else (``inf`` and ``nan`` included: no timeout or size means either)."""
     raw = _source(env).get(name, "")
     if not raw.strip():
         return default
@@ -85,12 +102,46 @@ def get_float(
         value = float(raw)
     except ValueError:
         value = None
-    if value is None or (positive and not value > 0):
-        kind = "a number > 0" if positive else "a number"
-        raise ValueError(f"{name}={raw!r}: expected {kind} (default {default})")
+    if (
+        value is None
+        or not math.isfinite(value)
+        or (positive and not value > 0)
+        or (minimum is not None and value < minimum)
+        or value > maximum
+    ):
+        kind = "a number > 0" if positive else "a finite number"
+        kind += f" >= {minimum:g}" if minimum is not None else ""
+        raise ValueError(f"{name}={raw!r}: expected {kind} up to {maximum:g} (default {default})")
     return value
 
 
 def run_identity(env: Mapping[str, str] | None = None) -> tuple[str, int]:
     """(run id, restart count) as torchrun sets them; ("local", 0) outside torchrun."""
     return get_str(RUN_ID, "local", env), get_int(RESTART_COUNT, 0, minimum=0, env=env)
+
+
+def validate(env: Mapping[str, str] | None = None) -> None:
+    """Parse every ``CKPT_*`` variable now, as its reader will (``ValueError`` naming the
+    first bad one), and say at WARNING which ``CKPT_*`` names this library does not know
+    (a typo leaves a setting silently at its default).
+
+    A :class:`~ckpt.manager.CheckpointManager` calls it when built, so that a bad value
+    stops a job before it trains, not at its first save.
+    """
+    from ckpt.faults import parse_storage_faults  # imports this module
+
+    source = _source(env)
+    get_float(STORAGE_TIMEOUT_S, 300.0, positive=True, env=source)
+    get_int(STORAGE_RETRIES, 6, minimum=1, maximum=1000, env=source)
+    get_float(STORAGE_RETRY_TOTAL_S, 120.0, minimum=0.0, env=source)
+    get_float(COLLECTIVE_TIMEOUT_S, 600.0, positive=True, env=source)
+    get_int(SAVE_BLOCK_BYTES, 8 << 20, minimum=1, env=source)
+    get_int(SAVE_THREAD_NICE, 19, minimum=0, maximum=19, env=source)
+    parse_storage_faults(get_str(STORAGE_FAULTS, "", source))
+    unknown = sorted(n for n in source if n.startswith("CKPT_") and n not in VARIABLES)
+    if unknown:
+        logger.warning(
+            "ckpt: unknown environment variable(s) %s (known: %s): ignored",
+            ", ".join(unknown),
+            ", ".join(sorted(n for n in VARIABLES if n.startswith("CKPT_"))),
+        )

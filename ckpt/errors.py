@@ -39,6 +39,10 @@ class ObjectNotFoundError(StoragePermanentError, FileNotFoundError):
     """The object or directory does not exist."""
 
 
+class ObjectTooLargeError(StoragePermanentError):
+    """An object is larger than what is read of it (a bounded read of untrusted input)."""
+
+
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint failed verification: a file is missing, truncated or has a bad crc32c."""
 
@@ -121,6 +125,11 @@ class ExportError(CheckpointError):
 
 class StateSpecError(TypeError):
     """A value in the manager's state dict cannot be checkpointed as given (a ``TypeError``)."""
+
+
+class UnsupportedStateError(StateSpecError):
+    """A value in a state to save could not be loaded back by a resume (a numpy object, an
+    arbitrary class): refused at save, before anything is written (a ``TypeError``)."""
 
 
 class SnapshotError(CheckpointError):

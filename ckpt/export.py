@@ -67,12 +67,13 @@ from torch.distributed.checkpoint.metadata import (
 from ckpt.checksum import crc32c_of
 from ckpt.discovery import COMMITTED, resolve
 from ckpt.errors import CorruptCheckpointError, ExportError
+from ckpt.layout import DCP_METADATA_NAME
 from ckpt.manifest import Manifest
 from ckpt.quarantine import parse_quarantined_dirname
 from ckpt.reader import ShardReader
 from ckpt.storage import Storage, _LocalSink, crc32c_of_object
 from ckpt.tensorblob import view_tensor
-from ckpt.verify import MODE_FAST, verify_dir
+from ckpt.verify import MODE_FAST, VerifyReport, verify_dir
 
 logger = logging.getLogger(__name__)
 
@@ -470,7 +471,15 @@ def _decode(
 ) -> torch.Tensor:
     value = view_tensor(piece)
     if value is None:
-        value = torch.load(io.BytesIO(piece), map_location="cpu", weights_only=True)
+        try:
+            value = torch.load(io.BytesIO(piece), map_location="cpu", weights_only=True)
+        except Exception as exc:  # untrusted bytes (that matched their crc32c)
+            raise CorruptCheckpointError(
+                f"{url}: chunk of {tensor.key!r} at {list(chunk.offsets)} cannot be decoded "
+                f"({type(exc).__name__})",
+                url=url,
+                path=chunk.path,
+            ) from None
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != chunk.sizes:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise CorruptCheckpointError(
@@ -700,9 +709,23 @@ def _checkpoint(source: str, step: int | None) -> tuple[Storage, Any, Manifest]:
             f"{info.url} is {info.status}, not committed ({info.reason}): export reads only "
             "committed checkpoints; python -m ckpt ls ROOT lists them, --step picks one"
         )
-    ckpt_dir = storage.child(info.dirname)
-    verify_dir(ckpt_dir, info.manifest, mode=MODE_FAST).raise_if_bad()
-    return ckpt_dir, info, info.manifest
+    return storage.child(info.dirname), info, info.manifest
+
+
+def _check_files(report: VerifyReport, tensors: list[TensorPlan]) -> None:
+    """Fast verification of the files the export reads; a damaged file it does not read
+    (another rank's optimizer state) is said at WARNING and left out, not a refusal."""
+    if report.ok:
+        return
+    needed = {DCP_METADATA_NAME, ""} | {c.path for t in tensors for c in t.chunks}
+    if any(path in needed for path, _ in report.problems):
+        report.raise_if_bad()
+    logger.warning(
+        "ckpt export: %s fails verification in files the model does not use (%s); the model's "
+        "tensors are exported, each checked against its crc32c",
+        report.url,
+        "; ".join(f"{path}: {why}" for path, why in report.problems[:5]),
+    )
 
 
 def load_rename_table(path: str) -> dict[str, str | None]:
@@ -769,10 +792,14 @@ def export(
     started = time.monotonic()
     ckpt_dir, info, manifest = _checkpoint(checkpoint, step)
     url = info.url
+    report = verify_dir(ckpt_dir, manifest, mode=MODE_FAST)
+    if any(path in (DCP_METADATA_NAME, "") for path, _ in report.problems):
+        report.raise_if_bad()  # .metadata and the listing first: nothing is read past them
     metadata = ShardReader(ckpt_dir, manifest).fetch_metadata()
     tensors, skipped = plan_tensors(
         metadata, model_key=model_key, dtype=out_dtype, rename=rename, url=url
     )
+    _check_files(report, tensors)
     if skipped:
         logger.warning(
             "ckpt export: %d non-tensor item(s) under %r are not exported: %s",

@@ -18,8 +18,12 @@ QUARANTINE_MARKER_NAME = "QUARANTINED"
 """Written into a checkpoint set aside by resume (:mod:`ckpt.quarantine`), before COMPLETE goes."""
 DCP_METADATA_NAME = ".metadata"
 SHARD_SUFFIX = ".distcp"
+ATTEMPT_NAME = "ATTEMPT"
+"""Written by a save's coordinator before any shard: which run and attempt the directory
+belongs to (JSON), so that only a dead attempt's leftovers are ever cleared."""
 
 _CHECKPOINT_DIR_RE = re.compile(r"^checkpoint_(\d{7,})$")
+_SHARD_RE = re.compile(r"^rank_\d{5,}\.distcp$")
 
 
 def checkpoint_dirname(step: int) -> str:
@@ -38,6 +42,11 @@ def parse_checkpoint_dirname(name: str) -> int | None:
 def shard_filename(rank: int) -> str:
     """File holding the shards written by ``rank``: ``rank_00000.distcp``."""
     return f"rank_{rank:05d}{SHARD_SUFFIX}"
+
+
+def is_shard_filename(name: str) -> bool:
+    """Whether ``name`` is a shard file's name (``rank_00000.distcp``)."""
+    return _SHARD_RE.match(name) is not None
 
 
 def join_url(base: str, *parts: str) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckpt import dist as _dist
+from ckpt import env
 from ckpt import root_check as _root_check
 from ckpt.app_state import AppState
 from ckpt.capture import StateCapture
@@ -79,7 +80,7 @@ class CheckpointManager:
 
     Memory tier (opt-in): ``memory_every=K`` (0: off) also snapshots the state every K
     steps into node-local memory that outlives the process (``memory_dir``, else
-    ``CKPT_MEMORY_DIR``, else ``/dev/shm/ckpt-memory``), replicated in the background to
+    ``CKPT_MEMORY_DIR``, else ``/dev/shm/ckpt-memory-<uid>``), replicated in the background to
     a rank on another node, committed when :meth:`maybe_save` returns. :meth:`resume`
     takes the newest snapshot complete across the surviving nodes and newer than the
     durable head, verified and loaded like a durable checkpoint (resharding included),
@@ -128,6 +129,7 @@ class CheckpointManager:
                 f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}"
             )
         SaveFailures.validate(max_failures)
+        env.validate()  # every CKPT_* variable now, not at the first save
         self.root = root
         self.app = AppState.classify(state)
         self.every = every

@@ -16,6 +16,61 @@ from ckpt.checksum import crc32c_of
 from ckpt.errors import CorruptCheckpointError
 
 FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 256 << 20
+"""A manifest.json above this is refused unread (50k tensors on 8 ranks take ~20 MB)."""
+MAX_MARKER_BYTES = 64 << 10
+"""A COMPLETE (or memory-tier COMMIT) above this is refused unread (one is ~300 bytes)."""
+_DECODE_ERRORS = (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError, MemoryError)
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` is a file name in one directory: no separator, no ``.``/``..``.
+
+    Every path a manifest lists must be one, so that nothing a checkpoint says can
+    point outside its own directory.
+    """
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and name not in (".", "..")
+        and not any(c in name for c in "/\\\0")
+    )
+
+
+def _count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _file_entry(data: object) -> FileEntry:
+    if not isinstance(data, dict):
+        raise TypeError(f"a files entry is a {type(data).__name__}, not an object")
+    if not is_plain_name(data["path"]):
+        raise ValueError(f"file path {data['path']!r} is not a plain file name")
+    return FileEntry(
+        path=data["path"], size=_count(data["size"], "file size"), crc32c=str(data["crc32c"])
+    )
+
+
+def _chunks(data: object, files: list[FileEntry]) -> dict[str, list[list[Any]]]:
+    if not isinstance(data, dict):
+        raise TypeError("chunks is not an object")
+    sizes = {e.path: e.size for e in files}
+    out: dict[str, list[list[Any]]] = {}
+    for path, items in data.items():
+        if path not in sizes:
+            raise ValueError(f"chunks of {path!r}, a file the manifest does not list")
+        if not isinstance(items, list):
+            raise TypeError(f"chunks of {path!r} is not a list")
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[2], str)):
+                raise ValueError(f"a chunk of {path!r} is not [offset, length, crc32c]")
+            offset = _count(item[0], "chunk offset")
+            if offset + _count(item[1], "chunk length") > sizes[path]:
+                raise ValueError(f"a chunk of {path!r} ends past the file's {sizes[path]} bytes")
+        out[path] = items
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,7 +155,11 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, raw: bytes, *, url: str = "") -> Manifest:
+        """Parse and check ``manifest.json`` (untrusted: every field's type and range, plain
+        file names, chunks inside their files); :class:`CorruptCheckpointError` otherwise."""
         try:
+            if len(raw) > MAX_MANIFEST_BYTES:
+                raise ValueError(f"{len(raw)} bytes, more than {MAX_MANIFEST_BYTES}")
             data = json.loads(raw.decode("utf-8"))
             if int(data["format_version"]) > FORMAT_VERSION:
                 raise CorruptCheckpointError(
@@ -116,16 +175,13 @@ class Manifest:
                 attempt=Attempt.from_json(data["attempt"]),
                 membership=list(data.get("membership", [])),
                 torch_version=str(data.get("torch_version", "")),
-                files=[
-                    FileEntry(path=str(f["path"]), size=int(f["size"]), crc32c=str(f["crc32c"]))
-                    for f in data["files"]
-                ],
-                chunks={str(k): list(v) for k, v in data.get("chunks", {}).items()},
+                files=(files := [_file_entry(f) for f in data["files"]]),
+                chunks=_chunks(data.get("chunks", {}), files),
                 metadata=dict(data.get("metadata", {})),
             )
         except CorruptCheckpointError:
             raise
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        except _DECODE_ERRORS as exc:
             raise CorruptCheckpointError(
                 f"{url}: manifest.json is not a valid manifest ({type(exc).__name__}: {exc})",
                 url=url,
@@ -154,6 +210,8 @@ class CompleteMarker:
     @classmethod
     def from_bytes(cls, raw: bytes, *, url: str = "") -> CompleteMarker:
         try:
+            if len(raw) > MAX_MARKER_BYTES:
+                raise ValueError(f"{len(raw)} bytes, more than {MAX_MARKER_BYTES}")
             data = json.loads(raw.decode("utf-8"))
             return cls(
                 step=int(data["step"]),
@@ -161,7 +219,7 @@ class CompleteMarker:
                 manifest_crc32c=str(data["manifest_crc32c"]),
                 committed_at=str(data.get("committed_at", "")),
             )
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        except _DECODE_ERRORS as exc:
             raise CorruptCheckpointError(
                 f"{url}: COMPLETE is not a valid marker ({type(exc).__name__}: {exc})",
                 url=url,

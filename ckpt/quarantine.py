@@ -35,11 +35,13 @@ from ckpt.errors import (
     UncommittedCheckpointError,
 )
 from ckpt.layout import COMPLETE_NAME, QUARANTINE_MARKER_NAME, checkpoint_dirname
-from ckpt.storage import Storage
+from ckpt.storage import DIR, Storage
 
 logger = logging.getLogger(__name__)
 
 QUARANTINE_INFIX = ".quarantined-"
+MAX_RECORD_BYTES = 1 << 20
+"""A QUARANTINED record above this is not read (one holds a reason and a COMPLETE marker)."""
 _QUARANTINED_DIR_RE = re.compile(r"^checkpoint_(\d{7,})\.quarantined-([0-9TZ]+)$")
 
 
@@ -118,10 +120,25 @@ def quarantine(storage: Storage, step: int, reason: str, path: str = "") -> Quar
 def read_record(storage: Storage, dirname: str) -> dict[str, object]:
     """The QUARANTINED record of a directory (``{}`` when unreadable: still quarantined)."""
     try:
-        data = json.loads(storage.read_bytes(f"{dirname}/{QUARANTINE_MARKER_NAME}"))
-    except (CheckpointError, ValueError):
+        raw = storage.read_bytes(f"{dirname}/{QUARANTINE_MARKER_NAME}", max_bytes=MAX_RECORD_BYTES)
+        data = json.loads(raw)
+    except (CheckpointError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def record_matches(record: dict[str, object], dirname: str) -> bool:
+    """Whether a QUARANTINED record was written for ``dirname``: its step, and for a moved
+    directory its stamp, are the ones in the name. Only then is the directory provably one
+    that quarantine set aside (``gc --quarantined`` deletes nothing else)."""
+    name = dirname.rstrip("/").rsplit("/", 1)[-1]
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        return False
+    match = _QUARANTINED_DIR_RE.match(name)
+    if match is not None:
+        return int(match.group(1)) == step and record.get("stamp") == match.group(2)
+    return name == checkpoint_dirname(step) if step >= 0 else False
 
 
 def finish_move(storage: Storage, dirname: str) -> str:
@@ -143,7 +160,7 @@ def finish_move(storage: Storage, dirname: str) -> str:
 
 
 def list_quarantined(
-    storage: Storage, entries: list[tuple[str, bool]] | None = None
+    storage: Storage, entries: list[tuple[str, str]] | None = None
 ) -> list[QuarantinedCheckpoint]:
     """Quarantined checkpoints under ``storage`` (moved ones; newest step first).
 
@@ -153,9 +170,9 @@ def list_quarantined(
     if entries is None:
         entries = storage.list_dir()
     found = []
-    for name, _ in entries:
+    for name, kind in entries:
         step = parse_quarantined_dirname(name)
-        if step is None:
+        if step is None or kind != DIR:  # a link or a file is foreign (discovery lists it)
             continue
         record = read_record(storage, name)
         found.append(

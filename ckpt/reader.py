@@ -9,15 +9,16 @@ Every item's bytes are checked against the crc32c recorded in the manifest
 before they are deserialized; a mismatch raises
 :class:`~ckpt.errors.CorruptCheckpointError` naming the file and offset.
 
-Nothing here runs code from the checkpoint: ``.metadata`` is unpickled with an
-allowlist of DCP's metadata classes, tensors and byte items load with
-``torch.load(weights_only=True)``.
+Nothing here runs code from the checkpoint: ``.metadata`` is decoded from an exact
+list of DCP's metadata classes and checked against the manifest
+(:mod:`ckpt.dcp_metadata`: every item inside a listed shard file, with a crc32c);
+tensors and byte items load with ``torch.load(weights_only=True)``. An item without a
+crc32c in the manifest is never used.
 """
 
 from __future__ import annotations
 
 import io
-import pickle
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,61 +35,23 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ckpt.checksum import crc32c_extend, crc32c_of, encode_crc32c
+from ckpt.dcp_metadata import MAX_METADATA_BYTES, check_metadata, decode_metadata
 from ckpt.errors import CorruptCheckpointError, ObjectNotFoundError, StateMismatchError
 from ckpt.layout import DCP_METADATA_NAME
 from ckpt.manifest import Manifest
-from ckpt.storage import Storage
+from ckpt.storage import FILE, Storage
 from ckpt.tensorblob import view_tensor
 
 # Coalesce neighbouring items into one ranged request up to this many bytes.
 MAX_READ_SPAN_BYTES = 64 << 20
 
-_DCP_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-)
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
 
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickler that only builds DCP metadata classes, dtypes, sizes and paths."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _DCP_MODULES:
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):
-                return obj
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        elif (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint .metadata refers to {module}.{name}, which is not DCP metadata; "
-            "refusing to load it (this checkpoint may not be trustworthy)"
-        )
-
-
-def load_metadata(raw: bytes, *, url: str = "") -> Metadata:
-    """Decode DCP ``.metadata`` bytes without running code from them."""
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
-        raise CorruptCheckpointError(
-            f"{url}/{DCP_METADATA_NAME}: cannot decode ({exc})", url=url, path=DCP_METADATA_NAME
-        ) from exc
-    if not isinstance(metadata, Metadata):
-        raise CorruptCheckpointError(
-            f"{url}/{DCP_METADATA_NAME}: not DCP metadata", url=url, path=DCP_METADATA_NAME
-        )
+def load_metadata(raw: bytes, *, url: str = "", manifest: Manifest | None = None) -> Metadata:
+    """Decode DCP ``.metadata`` bytes without running code from them
+    (:mod:`ckpt.dcp_metadata`); with ``manifest``, also check every item against it."""
+    metadata = decode_metadata(raw, url=url)
+    if manifest is not None:
+        check_metadata(metadata, manifest, url=url)
     return metadata
 
 
@@ -164,21 +127,41 @@ class ShardReader(StorageReader):
         error's type and file name into a bare AssertionError).
         """
         url = self.ckpt_dir.root_url
+        entry = self.manifest.file(DCP_METADATA_NAME)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"{url}: manifest.json does not list {DCP_METADATA_NAME}: it cannot be checked",
+                url=url,
+                path=DCP_METADATA_NAME,
+            )
+        if entry.size > MAX_METADATA_BYTES:
+            raise CorruptCheckpointError(
+                f"{url}/{DCP_METADATA_NAME}: manifest says {entry.size} bytes, more than the "
+                f"{MAX_METADATA_BYTES} a reader accepts",
+                url=url,
+                path=DCP_METADATA_NAME,
+            )
+        if self.ckpt_dir.local_kind(DCP_METADATA_NAME) not in (None, FILE):
+            raise CorruptCheckpointError(
+                f"{url}/{DCP_METADATA_NAME} is not a regular file (a link is never followed)",
+                url=url,
+                path=DCP_METADATA_NAME,
+            )
         try:
-            raw = self.ckpt_dir.read_bytes(DCP_METADATA_NAME)
+            raw = self.ckpt_dir.read_bytes(DCP_METADATA_NAME, max_bytes=entry.size)
         except ObjectNotFoundError as exc:
             raise CorruptCheckpointError(
                 f"{url}: {DCP_METADATA_NAME} is missing", url=url, path=DCP_METADATA_NAME
             ) from exc
-        entry = self.manifest.file(DCP_METADATA_NAME)
-        if entry is not None and crc32c_of(raw) != entry.crc32c:
+        if len(raw) != entry.size or crc32c_of(raw) != entry.crc32c:
             raise CorruptCheckpointError(
-                f"{url}/{DCP_METADATA_NAME}: crc32c {crc32c_of(raw)} != manifest {entry.crc32c}",
+                f"{url}/{DCP_METADATA_NAME}: {len(raw)} bytes with crc32c {crc32c_of(raw)}, "
+                f"manifest says {entry.size} bytes with {entry.crc32c}",
                 url=url,
                 path=DCP_METADATA_NAME,
             )
         self.bytes_read += len(raw)
-        return load_metadata(raw, url=url)
+        return load_metadata(raw, url=url, manifest=self.manifest)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -326,11 +309,21 @@ class ShardReader(StorageReader):
             joined = b"".join(memoryview(t.numpy()) for _, t in pieces)
             self._deliver(item, joined, planner)
 
-    def _verify_parts(self, path: str, offset: int, parts: list[torch.Tensor]) -> None:
+    def _expected(self, path: str, offset: int) -> tuple[int, str]:
+        """The manifest's ``(length, crc32c)`` of the item at ``offset`` of ``path``; an
+        item without one is never used (its bytes could not be checked)."""
         expected = self._item_crcs.get((path, offset))
         if expected is None:
-            return
-        length, crc = expected
+            raise CorruptCheckpointError(
+                f"{self.ckpt_dir.url(path)}: the item at offset {offset} has no crc32c in "
+                "manifest.json; refusing to use unchecked bytes",
+                url=self.ckpt_dir.root_url,
+                path=path,
+            )
+        return expected
+
+    def _verify_parts(self, path: str, offset: int, parts: list[torch.Tensor]) -> None:
+        length, crc = self._expected(path, offset)
         value = 0
         for part in parts:
             value = crc32c_extend(value, memoryview(part.numpy()))
@@ -368,10 +361,7 @@ class ShardReader(StorageReader):
             yield start, end, group
 
     def _verify_item(self, path: str, offset: int, piece: bytes | memoryview) -> None:
-        expected = self._item_crcs.get((path, offset))
-        if expected is None:
-            return
-        length, crc = expected
+        length, crc = self._expected(path, offset)
         actual = crc32c_of(piece)
         if length != len(piece) or actual != crc:
             raise CorruptCheckpointError(
@@ -390,7 +380,20 @@ class ShardReader(StorageReader):
         # allocation and copy); torch.load for anything else.
         tensor = view_tensor(piece)
         if tensor is None:
-            tensor = torch.load(io.BytesIO(piece), map_location="cpu", weights_only=True)
+            try:
+                tensor = torch.load(io.BytesIO(piece), map_location="cpu", weights_only=True)
+            except Exception as exc:  # untrusted bytes
+                raise CorruptCheckpointError(
+                    f"the saved tensor {item.dest_index.fqn!r} cannot be decoded "
+                    f"({type(exc).__name__})",
+                    path=item.dest_index.fqn,
+                ) from None
+            if not isinstance(tensor, torch.Tensor):
+                raise CorruptCheckpointError(
+                    f"the saved item of {item.dest_index.fqn!r} is a "
+                    f"{type(tensor).__name__}, not a tensor",
+                    path=item.dest_index.fqn,
+                )
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
@@ -441,7 +444,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                     )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:  # untrusted bytes: a decoding failure is the checkpoint's
+            raise CorruptCheckpointError(
+                f"the saved value of {fqn!r} cannot be decoded as plain data "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                path=fqn,
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

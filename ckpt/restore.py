@@ -45,6 +45,7 @@ from ckpt.manifest import Manifest
 from ckpt.quarantine import quarantine as quarantine_checkpoint
 from ckpt.quarantine import should_quarantine
 from ckpt.reader import SafeLoadPlanner, ShardReader
+from ckpt.state_check import LoadableState
 from ckpt.storage import Storage, StorageOptions
 from ckpt.verify import verify_dir
 from runcore import events as ev
@@ -113,6 +114,7 @@ def load(
     storage.faults.rank = coll.rank
     storage.faults.step = None
 
+    loadable = LoadableState(state)  # numpy values as they were saved, Statefuls resolved
     # Only the coordinator lists and reads COMPLETE/manifest.json; the others follow.
     cat = catalog if catalog is not None and coll.is_coordinator else Catalog(storage)
 
@@ -147,7 +149,7 @@ def load(
             coll.on_every_rank(
                 f"reading {ckpt_dir.url('.metadata')}", lambda r=reader: _read_metadata(r)
             )
-            _dcp_load(state, reader, coll)
+            _dcp_load(loadable.plain, reader, coll)
         except StateMismatchError:
             raise
         except CheckpointError as exc:
@@ -179,6 +181,7 @@ def load(
             elif coll.is_coordinator:
                 cat.mark(candidate, CORRUPT, reason)
             continue
+        loadable.finish()
         duration = time.monotonic() - started
         bytes_read = reader.bytes_read
         if coll.is_coordinator:

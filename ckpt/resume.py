@@ -35,6 +35,7 @@ from ckpt.rng import (
     rng_device,
     rng_key,
 )
+from ckpt.state_check import LoadableState
 from ckpt.tiers import Candidate, DurableHead, Tier, manager_record
 from runcore import events as ev
 
@@ -163,7 +164,10 @@ class ResumeWalk:
             per_rank.move_out(template, *layout)
             if want_rng:
                 template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
-            result, rng_loaded = tier.load(cand, template, want_rng, notes)
+            loadable = LoadableState(template)  # numpy values as they were saved
+            result, rng_loaded = tier.load(cand, loadable.plain, want_rng, notes)
+            if result is not None:
+                loadable.finish()
         except CheckpointError as exc:
             if tier.strict:
                 raise

@@ -12,6 +12,12 @@ Deleting a committed checkpoint removes its COMPLETE marker first, so a deletion
 interrupted half-way (a kill at any point of a prune) leaves a partial directory,
 never a torn "committed" one, and the next prune deletes that partial directory.
 
+What the plan says to delete is deleted only when it is provably the library's
+(:mod:`ckpt.ownership`): every file in the directory one it writes (and, committed, one
+its manifest lists), and a partial directory's records naming the run that prunes. A
+directory that fails this is left whole and said at WARNING (:attr:`RetentionPlan.refused`);
+a committed checkpoint renamed by hand is quarantined ("renamed"), never deleted.
+
 ``DEFAULT_RETENTION`` (keep the newest 3) is what ``CheckpointManager`` and the
 trainer apply after every commit unless told otherwise: a month-long run must not
 fill its disk or bucket.
@@ -21,10 +27,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from ckpt.layout import COMPLETE_NAME, checkpoint_dirname
+from ckpt import ownership
+from ckpt.errors import CheckpointError
+from ckpt.layout import COMPLETE_NAME
 from ckpt.storage import Storage
+
+if TYPE_CHECKING:
+    from ckpt.discovery import CheckpointInfo
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +78,10 @@ class RetentionPlan:
     delete: tuple[int, ...]
     delete_partial: tuple[int, ...]
     reasons: dict[int, str] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)
+    """Steps the plan deleted that were left in place, and why (not provably ours)."""
+    set_aside: dict[int, str] = field(default_factory=dict)
+    """Renamed committed checkpoints quarantined instead: step -> where they are kept."""
 
 
 def plan_retention(
@@ -99,33 +115,105 @@ def plan_retention(
 
 
 def apply_retention(
-    root: str | Storage, policy: RetentionPolicy, *, dry_run: bool = False
+    root: str | Storage,
+    policy: RetentionPolicy,
+    *,
+    dry_run: bool = False,
+    run_id: str | None = None,
+    said: set[str] | None = None,
 ) -> RetentionPlan:
     """List ``root``, plan with :func:`plan_retention` and delete (unless ``dry_run``).
 
     Run by one process (the coordinator, or the ``gc`` CLI), never by every rank.
+    ``run_id``: the run pruning after its commit; a partial directory is deleted only
+    when its records name this run (``None``, the ``gc`` CLI: any run's, when recorded).
+    ``said``: URLs already reported as left alone (each is said at WARNING once).
     """
-    from ckpt.discovery import PARTIAL, as_storage, list_checkpoints
+    from ckpt.discovery import PARTIAL, RENAMED, Catalog
 
-    storage = as_storage(root)
-    infos = list_checkpoints(storage)
+    catalog = Catalog(root if isinstance(root, Storage) else Storage(root))
+    storage = catalog.storage
+    infos = {info.step: info for info in catalog}
     # Quarantined directories are neither: kept for forensics until `ckpt gc --quarantined`.
     plan = plan_retention(
-        [i.step for i in infos if i.committed],
-        [i.step for i in infos if i.status == PARTIAL],
+        [i.step for i in infos.values() if i.committed],
+        [i.step for i in infos.values() if i.status == PARTIAL],
         policy,
     )
     if dry_run:
         return plan
-    for step in plan.delete:
-        dirname = checkpoint_dirname(step)
-        storage.remove(f"{dirname}/{COMPLETE_NAME}")
-        storage.remove_tree(dirname)
-        logger.info("ckpt: retention deleted %s", storage.url(dirname))
-    for step in plan.delete_partial:
-        storage.remove_tree(checkpoint_dirname(step))
-        logger.info("ckpt: retention deleted partial %s", storage.url(checkpoint_dirname(step)))
-    return plan
+    for entry in catalog.foreign():
+        ownership.say_left_alone(
+            said, entry.url, f"retention left {entry.url} alone: {entry.reason}"
+        )
+    refused: dict[int, str] = {}
+    for step in (*plan.delete, *plan.delete_partial):
+        info = infos[step]
+        why = _not_ours(storage, info, run_id)
+        if why:
+            refused[step] = why
+            ownership.say_left_alone(said, info.url, f"retention left {info.url} in place: {why}")
+            continue
+        if info.committed:
+            storage.remove(f"{info.dirname}/{COMPLETE_NAME}")
+        storage.remove_tree(info.dirname)
+        kind = "" if info.committed else "partial "
+        logger.info("ckpt: retention deleted %s%s", kind, info.url)
+    set_aside = {
+        info.step: set_aside_renamed(storage, info, said)
+        for info in infos.values()
+        if info.status == RENAMED
+    }
+    return replace(plan, refused=refused, set_aside={k: v for k, v in set_aside.items() if v})
+
+
+def _not_ours(storage: Storage, info: CheckpointInfo, run_id: str | None) -> str:
+    """Why the directory of ``info`` must not be deleted; empty when it may be."""
+    try:
+        listing = storage.child(info.dirname).list_files()
+    except CheckpointError as exc:
+        return f"cannot list it ({exc})"
+    foreign = ownership.strangers(listing, info.manifest if info.committed else None)
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        return (
+            f"it holds files this library did not write ({', '.join(foreign[:3])}{more}); "
+            "move them out, then `python -m ckpt gc` can remove it"
+        )
+    if info.committed:
+        return ""
+    owner = ownership.uncommitted_owner(storage, info.dirname)
+    if owner is None:
+        return "no record says which run wrote it (no ATTEMPT record, no manifest)"
+    if run_id is not None and owner != run_id:
+        return (
+            f"it belongs to run {owner!r}, not to this run {run_id!r} (it may be that job's "
+            "save in flight); `python -m ckpt gc` removes it once that job is gone"
+        )
+    return ""
+
+
+def set_aside_renamed(storage: Storage, info: CheckpointInfo, said: set[str] | None = None) -> str:
+    """Quarantine a committed checkpoint found under another step's name; its new URL.
+
+    Never deleted: a user renamed it, and its files are a committed checkpoint. Said at
+    WARNING. Returns "" when it could not be moved (said too; tried again next time).
+    """
+    from ckpt.quarantine import quarantine
+
+    reason = f"{info.reason}; its directory name says step {info.step}"
+    try:
+        kept = quarantine(storage, info.step, reason)
+    except CheckpointError as exc:
+        ownership.say_left_alone(said, info.url, f"could not set aside renamed {info.url}: {exc}")
+        return ""
+    logger.warning(
+        "ckpt: %s was %s: quarantined, not deleted; its files are kept at %s",
+        info.url,
+        info.reason,
+        kept.url,
+    )
+    return kept.url
 
 
 DEFAULT_RETENTION = RetentionPolicy(keep_last=3)

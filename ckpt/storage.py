@@ -30,6 +30,7 @@ import logging
 import mmap
 import os
 import shutil
+import stat
 import sys
 import threading
 from collections.abc import Callable
@@ -46,10 +47,12 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from ckpt import env, faults
+from ckpt import env as _env
+from ckpt import faults
 from ckpt.checksum import ChecksummingWriter, crc32c_of_chunks
 from ckpt.errors import (
     ObjectNotFoundError,
+    ObjectTooLargeError,
     StorageError,
     StorageFullError,
     StoragePermanentError,
@@ -61,11 +64,11 @@ from ckpt.layout import join_url
 
 logger = logging.getLogger(__name__)
 
-ENV_TIMEOUT_S = env.STORAGE_TIMEOUT_S
-ENV_RETRIES = env.STORAGE_RETRIES
-ENV_RETRY_TOTAL_S = env.STORAGE_RETRY_TOTAL_S
-ENV_EMULATOR_HOST = env.EMULATOR_HOST
-ENV_GCSFS_HNS = env.GCSFS_HNS
+ENV_TIMEOUT_S = _env.STORAGE_TIMEOUT_S
+ENV_RETRIES = _env.STORAGE_RETRIES
+ENV_RETRY_TOTAL_S = _env.STORAGE_RETRY_TOTAL_S
+ENV_EMULATOR_HOST = _env.EMULATOR_HOST
+ENV_GCSFS_HNS = _env.GCSFS_HNS
 
 WRITE_BEHIND_BYTES = 16 << 20
 """Local writes ask the kernel to start writing back every this many bytes (Linux)."""
@@ -106,29 +109,20 @@ class StorageOptions:
     ``ckpt.defaults``). Consulted only while it has a fault armed."""
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= _env.MAX_SECONDS:
+            raise ValueError(f"timeout_s must be > 0 and finite, got {self.timeout_s}")
         if self.retry_attempts < 1:
             raise ValueError(f"retry_attempts must be >= 1, got {self.retry_attempts}")
-        if self.retry_total_s < 0:
-            raise ValueError(f"retry_total_s must be >= 0, got {self.retry_total_s}")
+        if not 0 <= self.retry_total_s <= _env.MAX_SECONDS:
+            raise ValueError(f"retry_total_s must be >= 0 and finite, got {self.retry_total_s}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> StorageOptions:
-        env = dict(os.environ) if env is None else env
-        values: dict[str, Any] = {}
-        for key, name, kind in (
-            ("timeout_s", ENV_TIMEOUT_S, float),
-            ("retry_attempts", ENV_RETRIES, int),
-            ("retry_total_s", ENV_RETRY_TOTAL_S, float),
-        ):
-            if env.get(name):
-                try:
-                    values[key] = kind(env[name])
-                except ValueError:
-                    raise ValueError(
-                        f"{name}={env[name]!r} is not a valid {kind.__name__}"
-                    ) from None
+        values: dict[str, Any] = {
+            "timeout_s": _env.get_float(ENV_TIMEOUT_S, 300.0, positive=True, env=env),
+            "retry_attempts": _env.get_int(ENV_RETRIES, 6, minimum=1, maximum=1000, env=env),
+            "retry_total_s": _env.get_float(ENV_RETRY_TOTAL_S, 120.0, minimum=0.0, env=env),
+        }
         values.update(overrides)
         return cls(**values)
 
@@ -429,10 +423,26 @@ class Storage:
 
     # -- reads ------------------------------------------------------------------------
 
-    def read_bytes(self, key: str, *, phase: str = "read") -> bytes:
-        """Read a whole (small) object."""
+    def read_bytes(self, key: str, *, phase: str = "read", max_bytes: int | None = None) -> bytes:
+        """Read a whole (small) object.
+
+        ``max_bytes``: refuse (:class:`~ckpt.errors.ObjectTooLargeError`) an object larger
+        than this without reading more than one byte past it: what a checkpoint says
+        about its own files is untrusted input.
+        """
         path = self.path(key)
-        return self._call(f"read {self.url(key)}", phase, lambda: self.fs.cat_file(path))
+        if max_bytes is None:
+            return self._call(f"read {self.url(key)}", phase, lambda: self.fs.cat_file(path))
+
+        def read_bounded() -> bytes:
+            data = bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
+            if len(data) > max_bytes:
+                raise ObjectTooLargeError(
+                    f"{self.url(key)} is larger than the {max_bytes} bytes expected of it"
+                )
+            return data
+
+        return self._call(f"read {self.url(key)}", phase, read_bounded)
 
     def read_range(
         self, key: str, start: int, end: int, *, phase: str = "read"
@@ -506,11 +516,18 @@ class Storage:
             return False
         return True
 
-    def list_dir(self, key: str = "") -> list[tuple[str, bool]]:
-        """Entries directly below ``key`` as ``(name, is_dir)``; empty if it does not exist."""
-        path = self.path(key)
+    def list_dir(self, key: str = "") -> list[tuple[str, str]]:
+        """Entries directly below ``key`` as ``(name, kind)``; empty if it does not exist.
 
-        def ls_once() -> list[tuple[str, bool]]:
+        ``kind`` is :data:`DIR`, :data:`FILE`, or, on a local filesystem, :data:`LINK` for a
+        symbolic link (never followed: what it points to may be outside the root) and
+        :data:`OTHER` for anything else (a socket, a device).
+        """
+        path = self.path(key)
+        if self._local:
+            return self._call(f"list {self.url(key)}", "read", lambda: _local_entries(path))
+
+        def ls_once() -> list[tuple[str, str]]:
             self.fs.invalidate_cache(path)
             try:
                 entries = self.fs.ls(path, detail=True)
@@ -521,14 +538,31 @@ class Storage:
                 name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
                 if entry["name"].rstrip("/") == path.rstrip("/"):
                     continue
-                out.append((name, entry.get("type") == "directory"))
+                out.append((name, DIR if entry.get("type") == "directory" else FILE))
             return out
 
         return self._call(f"list {self.url(key)}", "read", ls_once)
 
+    def local_kind(self, key: str) -> str | None:
+        """What ``key`` is on a local filesystem, from ``lstat`` (a link is :data:`LINK`, not
+        what it points to); None on other backends or when it does not exist."""
+        if not self._local:
+            return None
+        try:
+            return _kind(os.lstat(self.path(key)).st_mode)
+        except OSError:
+            return None
+
     def list_files(self, key: str = "") -> dict[str, dict[str, Any]]:
-        """Every file below ``key`` (recursively) as ``{relative path: info dict}``."""
+        """Every file below ``key`` (recursively) as ``{relative path: info dict}``.
+
+        On a local filesystem symbolic links are listed, not followed: their info has
+        ``"type": LINK`` (and anything not a regular file ``"type": OTHER``), so a caller
+        can refuse them before reading or deleting through them.
+        """
         path = self.path(key).rstrip("/")
+        if self._local:
+            return self._call(f"list {self.url(key)}", "read", lambda: _local_files(path))
 
         def find_once() -> dict[str, dict[str, Any]]:
             self.fs.invalidate_cache(path)
@@ -618,6 +652,52 @@ class Storage:
                 pass
 
         self._call(f"delete {self.url(key)}/", "any", rm_once)
+
+
+DIR = "directory"
+FILE = "file"
+LINK = "link"
+OTHER = "other"
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return DIR
+    if stat.S_ISREG(mode):
+        return FILE
+    return LINK if stat.S_ISLNK(mode) else OTHER
+
+
+def _local_entries(path: str) -> list[tuple[str, str]]:
+    """``(name, kind)`` of a local directory's entries, from ``lstat`` (links not followed)."""
+    try:
+        with os.scandir(path) as it:
+            return [(e.name, _kind(e.stat(follow_symlinks=False).st_mode)) for e in it]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _local_files(path: str) -> dict[str, dict[str, Any]]:
+    """Every entry below a local directory but directories, recursively, from ``lstat``:
+    a symbolic link is an entry of its own (type ``link``), never descended into."""
+    out: dict[str, dict[str, Any]] = {}
+    pending = [""]
+    while pending:
+        rel = pending.pop()
+        try:
+            with os.scandir(os.path.join(path, rel) if rel else path) as it:
+                entries = list(it)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            st = entry.stat(follow_symlinks=False)
+            name = f"{rel}/{entry.name}" if rel else entry.name
+            kind = _kind(st.st_mode)
+            if kind == DIR:
+                pending.append(name)
+                continue
+            out[name] = {"name": os.path.join(path, name), "size": st.st_size, "type": kind}
+    return out
 
 
 def _load_sync_file_range() -> Callable[[int, int, int], int] | None:

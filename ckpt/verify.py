@@ -1,7 +1,8 @@
 """Verification of a committed checkpoint against its manifest.
 
 Three modes (:data:`MODES`); every one checks that each file listed in the manifest
-exists with the manifest's size:
+exists as a regular file (a symbolic link is a problem, never followed) with the
+manifest's size:
 
 - ``fast``: plus, where the backend reports an object crc32c (GCS), that it equals
   the manifest's. One listing call, no download. On a backend without server-side
@@ -24,10 +25,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from ckpt.dcp_metadata import MAX_METADATA_BYTES
 from ckpt.errors import CheckpointUnreadableError, CorruptCheckpointError, StorageError
 from ckpt.layout import DCP_METADATA_NAME
 from ckpt.manifest import Manifest
-from ckpt.storage import Storage, crc32c_of_object
+from ckpt.storage import FILE, Storage, crc32c_of_object
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +103,20 @@ def verify_dir(
         report.unreadable += 1
         return report
     for entry in manifest.files:
+        if entry.path == DCP_METADATA_NAME and entry.size > MAX_METADATA_BYTES:
+            report.problems.append(
+                (entry.path, f"listed as {entry.size} bytes, more than {MAX_METADATA_BYTES}")
+            )
+            continue
         meta = present.get(entry.path)
         if meta is None:
             report.problems.append((entry.path, "missing"))
+            continue
+        kind = meta.get("type", FILE)
+        if kind != FILE:  # a link may point anywhere: never read through it
+            report.problems.append(
+                (entry.path, f"is a {kind}, not a regular file: not read (never followed)")
+            )
             continue
         size = int(meta.get("size", -1))
         if size != entry.size:

@@ -68,6 +68,22 @@ ON_SILENT_LIMIT_S = 3.0
 """The most the ``on_silent`` callback (an event write) may take before the exit."""
 LEFT = 1 << 40
 """Added to a counter by a rank that stops cleanly: values >= LEFT mean "left"."""
+
+
+def parse_counter(raw: bytes | str) -> int | None:
+    """A heartbeat counter read from the store, or None when the value is not one.
+
+    Store values are input from anyone who reaches the store: a malformed one is
+    ignored (and said), never a crash of the rank that reads it.
+    """
+    try:
+        text = raw.decode("ascii") if isinstance(raw, bytes) else raw
+        value = int(text)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return value if 0 <= value < 2 * LEFT + (1 << 32) else None
+
+
 WATCH_ALL_UP_TO = 64
 """Up to this world size every rank watches every peer; above it, ``NEIGHBOURS``."""
 NEIGHBOURS = 8
@@ -321,6 +337,8 @@ class PeerHeartbeat:
         self.key_prefix = key_prefix
         self.interval_s = float(interval_s)
         self.timeout_s = float(timeout_s)
+        self._malformed: set[str] = set()
+        """Store keys found holding something that is not a counter (said once each)."""
         self.on_silent = on_silent
         self.exit_code = exit_code
         self.exit_process = exit_process
@@ -416,7 +434,9 @@ class PeerHeartbeat:
                     store = self._connect()
                     store.set(self.host_key(self.rank), self.self_info)
                     for key in keys:  # create missing counters, so multi_get never waits
-                        store.add(key, 0)
+                        if not store.check([key]):  # (an add to a malformed one breaks
+                            store.add(key, 0)  # the connection)
+                    self._repair_own(store)
                 store.add(self.key(self.rank), 1)
                 beat_at = time.monotonic()
                 values = store.multi_get(keys)
@@ -441,6 +461,28 @@ class PeerHeartbeat:
         if store is not None:
             with contextlib.suppress(Exception):
                 store.add(self.key(self.rank), LEFT)
+
+    def _warn_malformed(self, key: str, raw: bytes | str) -> None:
+        """Say once per key that a store value was not a counter."""
+        if key in self._malformed:
+            return
+        self._malformed.add(key)
+        logger.warning(
+            "rank %d: heartbeat store key %s holds %r, not a counter; ignored",
+            self.rank, key, raw[:40],
+        )  # fmt: skip
+
+    def _repair_own(self, store: StoreLike) -> None:
+        """This rank's counter holds something that is not a counter (anyone who reaches the
+        store can write it): rewrite it, said at WARNING. Every ``add`` to it failed until
+        then, and the peers would have taken this rank for silent."""
+        key = self.key(self.rank)
+        if not store.check([key]):
+            return
+        raw = store.get(key)
+        if parse_counter(raw) is None:
+            self._warn_malformed(key, raw)
+            store.set(key, "1")
 
     def _read_hosts(self, store: StoreLike) -> dict[int, str]:
         obs = self._observed
@@ -473,7 +515,10 @@ class PeerHeartbeat:
             if last_beat is not None:
                 obs.max_beat_gap_s = max(obs.max_beat_gap_s, beat_at - last_beat)
             for peer, raw in zip(self.peers, values):
-                value = int(raw)
+                value = parse_counter(raw)
+                if value is None:  # not a counter: no news from that peer
+                    self._warn_malformed(self.key(peer), raw)
+                    continue
                 if value >= LEFT:
                     obs.left.add(peer)
                     continue

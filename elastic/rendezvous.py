@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -121,9 +122,12 @@ class FtConfig:
         return cls(**values)
 
 
-def connect_store(params: RendezvousParameters, config: FtConfig) -> TCPStore:
+def connect_store(
+    params: RendezvousParameters, config: FtConfig
+) -> tuple[TCPStore, socket.socket | None]:
     """The TCPStore at ``params.endpoint``: hosted here when this is the host (``is_host``,
-    else the endpoint names this machine and the port is free), a client otherwise."""
+    else the endpoint names this machine and the port is free), a client otherwise; and the
+    socket a hosted store serves on (keep it open as long as the store), if any."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     cfg_is_host = params.get_as_bool("is_host")
     is_host = cfg_is_host if cfg_is_host is not None else _matches_machine_hostname(host)
@@ -131,20 +135,76 @@ def connect_store(params: RendezvousParameters, config: FtConfig) -> TCPStore:
     last: Exception | None = None
     for as_server in attempts:
         try:
-            return TCPStore(
+            listener = listen_socket(host, port) if as_server else None
+            store = TCPStore(
                 host,
                 port,
                 is_master=as_server,
                 multi_tenant=True,
                 wait_for_workers=False,
                 timeout=timedelta(seconds=config.connect_timeout if not as_server else 30),
+                **({"master_listen_fd": listener.fileno()} if listener is not None else {}),
             )
-        except (RuntimeError, ValueError, TimeoutError) as exc:
+            return store, listener
+        except (RuntimeError, ValueError, TimeoutError, OSError) as exc:
             last = exc
     raise RendezvousConnectionError(
         f"ft rendezvous: could not reach the store at {host}:{port} within "
         f"{config.connect_timeout:g} s (is the host agent or the store process running?): {last}"
     ) from last
+
+
+def listen_socket(host: str, port: int) -> socket.socket | None:
+    """A socket listening on the endpoint's own address, for the store server to use.
+
+    TCPStore alone listens on every interface; the rendezvous store needs only the address
+    its clients are given (:func:`bind_address` decides which, or None: every interface,
+    as TCPStore does). Raises ``OSError`` when the port is taken (another agent hosts the
+    store) or the address is not this host's.
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    address = bind_address(host, [info[4][0] for info in infos])
+    if address is None:
+        return None
+    family, _, _, _, sockaddr = next(i for i in infos if i[4][0] == address)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_address(host: str, addresses: list[str]) -> str | None:
+    """The one address to listen on for endpoint ``host`` (resolved to ``addresses``), or
+    None for every interface: a name resolving to several addresses, or a name (not an
+    address, not ``localhost``) resolving to loopback here. Debian maps the machine's own
+    name to 127.0.1.1, which other hosts could not reach."""
+    literal = _is_ip_literal(host)
+    distinct = sorted(set(addresses))
+    if not distinct or (len(distinct) != 1 and not literal):
+        return None
+    address = host.strip("[]") if literal else distinct[0]
+    if not literal and host != "localhost" and _is_loopback(address):
+        return None
+    return address
+
+
+def _is_ip_literal(host: str) -> bool:
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host.strip("[]"))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address == "::1"
 
 
 class FtRendezvousHandler(RendezvousHandler):
@@ -161,6 +221,7 @@ class FtRendezvousHandler(RendezvousHandler):
         local_addr: str | None = None,
         node_id: str | None = None,
         heartbeat_store: Store | None = None,
+        listener: socket.socket | None = None,
     ) -> None:
         if min_nodes < 1 or max_nodes < min_nodes:
             raise ValueError(f"bad node range {min_nodes}:{max_nodes}")
@@ -179,6 +240,8 @@ class FtRendezvousHandler(RendezvousHandler):
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
         self._shut = False
+        self._malformed: set[str] = set()
+        self._listener = listener  # the hosted store serves on it: kept open while we live
 
     # -- keys -----------------------------------------------------------------------------
 
@@ -274,10 +337,11 @@ class FtRendezvousHandler(RendezvousHandler):
         return rnd
 
     def _members_of(self, rnd: int) -> list[str] | None:
-        if rnd < 0 or not self._store.check([self._rkey(rnd, "members")]):
+        key = self._rkey(rnd, "members")
+        if rnd < 0 or not self._store.check([key]):
             return None
-        value = self._store.get(self._rkey(rnd, "members")).decode()
-        return None if value == CLOSED else json.loads(value)
+        value = self._store.get(key)
+        return None if value == CLOSED.encode() else self._parse_members(key, value)
 
     def _join(self, rnd: int, deadline: float) -> list[str]:
         store = self._store
@@ -338,10 +402,13 @@ class FtRendezvousHandler(RendezvousHandler):
         if not self._store.check([key]):
             time.sleep(max(timeout, 0.0))
             return None
-        value = self._store.get(key).decode()
-        if value == CLOSED:
+        value = self._store.get(key)
+        if value == CLOSED.encode():
             raise RendezvousClosedError()
-        return json.loads(value)
+        members = self._parse_members(key, value)
+        if members is None:
+            time.sleep(max(timeout, 0.0))
+        return members
 
     def _read_slots(self, rnd: int, slots: list[int]) -> dict[int, str]:
         """Node ids of the slots already written (a joiner writes its id right after it
@@ -354,7 +421,28 @@ class FtRendezvousHandler(RendezvousHandler):
         if not present:
             return {}
         values = self._store.multi_get([k for _, k in present])
-        return {i: v.decode() for (i, _), v in zip(present, values)}
+        out = {}
+        for (i, key), value in zip(present, values):
+            node = _text(value)
+            if node is None:
+                self._warn_malformed(key, value, "a node id")
+            else:
+                out[i] = node
+        return out
+
+    def _parse_members(self, key: str, value: bytes) -> list[str] | None:
+        members = parse_members(value)
+        if members is None:
+            self._warn_malformed(key, value, "a member list")
+        return members
+
+    def _warn_malformed(self, key: str, value: bytes, what: str) -> None:
+        """Say once per key that a store value was not what it should be (it is ignored)."""
+        if key not in self._malformed:
+            self._malformed.add(key)
+            log.warning(
+                "ft rendezvous: store key %s holds %r, not %s; ignored", key, value[:60], what
+            )
 
     def _alive_of(self, nodes: list[str]) -> list[str]:
         """``nodes`` whose keep-alive is fresh by its wall time (one request). Every
@@ -366,7 +454,7 @@ class FtRendezvousHandler(RendezvousHandler):
         return [
             n
             for n, v in zip(nodes, values)
-            if now - _wall_of(v.decode(), now) < self.config.keep_alive_timeout
+            if now - _wall_of(_text(v) or "", now) < self.config.keep_alive_timeout
         ]
 
     # -- keep-alive -----------------------------------------------------------------------
@@ -375,7 +463,7 @@ class FtRendezvousHandler(RendezvousHandler):
         key = self._key(f"hb/{node}")
         if not self._store.check([key]):
             return None
-        return self._store.get(key).decode()
+        return _text(self._store.get(key))
 
     def _start_heartbeat(self) -> None:
         if self._hb_thread is not None:
@@ -428,17 +516,45 @@ class Liveness:
 
 
 def _wall_of(value: str, default: float) -> float:
-    """The wall time in a keep-alive value (``"<counter> <unix time>"``)."""
+    """The wall time in a keep-alive value (``"<counter> <unix time>"``); ``default`` for a
+    value that is not one (no finite time: "inf" would keep a dead node alive forever)."""
     try:
-        return float(value.split()[1])
+        wall = float(value.split()[1])
     except (IndexError, ValueError):
         return default
+    return wall if math.isfinite(wall) else default
+
+
+MAX_NODE_ID = 512
+
+
+def _text(value: bytes) -> str | None:
+    """A store value as text, or None when it is not short printable text."""
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if len(text) <= MAX_NODE_ID and text.isprintable() else None
+
+
+def parse_members(value: bytes) -> list[str] | None:
+    """A round's member list (a JSON list of node ids), or None when the value is not one:
+    store values come from anyone who reaches the store."""
+    try:
+        members = json.loads(value.decode("utf-8")) if len(value) <= 1 << 24 else None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if isinstance(members, list) and all(
+        isinstance(m, str) and 0 < len(m) <= MAX_NODE_ID for m in members
+    ):
+        return members
+    return None
 
 
 def create_handler(params: RendezvousParameters) -> FtRendezvousHandler:
     """torchrun's creator for ``--rdzv_backend=ft``."""
     config = FtConfig.from_params(params)
-    store = connect_store(params, config)
+    store, listener = connect_store(params, config)
     store.set_timeout(timedelta(seconds=config.read_timeout))
     # The keep-alive's own connection is made now, not in the first round, where every
     # node would connect at once (a storm of connects waits on the listen backlog).
@@ -451,4 +567,5 @@ def create_handler(params: RendezvousParameters) -> FtRendezvousHandler:
         config=config,
         local_addr=params.local_addr,
         heartbeat_store=heartbeat,
+        listener=listener,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from ckpt import env as ckpt_env
 from trainer.config import TrainConfig, load_config
 
 
@@ -93,4 +94,5 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         overrides.append(f"run.run_dir={args.run_dir}")
     cfg = load_config(args.config, overrides)
     cfg.run.faults = [*cfg.run.faults, *args.fault]
+    ckpt_env.validate()  # a bad CKPT_* variable is a bad configuration: exit 2, before training
     return cfg

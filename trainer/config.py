@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,7 +161,7 @@ class CheckpointConfig:
     the background (one save in flight; emergency and final saves are synchronous)."""
     memory_every: int = 0
     """Memory tier: also snapshot the state every N steps into node memory
-    (``CKPT_MEMORY_DIR``, default ``/dev/shm/ckpt-memory``), replicated to a rank on
+    (``CKPT_MEMORY_DIR``, default ``/dev/shm/ckpt-memory-<uid>``), replicated to a rank on
     another node; a restart resumes from the newest complete snapshot when it is newer
     than the last durable checkpoint. 0 (default) disables it."""
 
@@ -283,6 +284,14 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+def _finite(key: str, raw: object, value: float) -> float:
+    """``value`` if finite: no setting of this trainer means anything with inf or nan
+    (an lr of inf trains on NaN; a timeout of inf overflows the collectives' timedelta)."""
+    if not math.isfinite(value):
+        raise ValueError(f"config {key}={raw!r}: must be a finite number")
+    return value
+
+
 def _coerce(key: str, raw: object, annotation: str) -> object:
     """Convert a TOML value or a ``--set`` string to the field's declared type."""
     text = raw if isinstance(raw, str) else None
@@ -312,18 +321,18 @@ def _coerce(key: str, raw: object, annotation: str) -> object:
         if isinstance(raw, bool) or not isinstance(raw, int | float | str):
             raise ValueError(f"config {key}={raw!r}: must be a number")
         try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"config {key}={raw!r}: must be a number") from None
+            return _finite(key, raw, float(raw))
+        except (ValueError, OverflowError):
+            raise ValueError(f"config {key}={raw!r}: must be a finite number") from None
     if annotation == "float | str":  # a number of seconds or the word "auto"
         if isinstance(raw, bool) or not isinstance(raw, int | float | str):
             raise ValueError(f"config {key}={raw!r}: must be a number or 'auto'")
         if isinstance(raw, str) and raw.strip().lower() == "auto":
             return "auto"
         try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"config {key}={raw!r}: must be a number or 'auto'") from None
+            return _finite(key, raw, float(raw))
+        except (ValueError, OverflowError):
+            raise ValueError(f"config {key}={raw!r}: must be a finite number or 'auto'") from None
     if annotation == "str":
         if not isinstance(raw, str):
             raise ValueError(f"config {key}={raw!r}: must be a string")

@@ -32,6 +32,7 @@ import fsspec
 import torch
 from fsspec import AbstractFileSystem
 
+from ckpt.memory.layout import open_private
 from ckpt.reader import Scattered
 
 PROTOCOL = "ckptmem"
@@ -62,7 +63,7 @@ class MappedFile(SnapshotFile):
     def __init__(self, path: str, size: int) -> None:
         self.size = size
         self.path = path
-        with open(path, "rb") as f:
+        with os.fdopen(open_private(path), "rb") as f:
             actual = os.fstat(f.fileno()).st_size
             if actual != size:
                 raise OSError(f"{path} has {actual} bytes, the manifest says {size}")
@@ -296,8 +297,8 @@ class SnapshotFileSystem(AbstractFileSystem):
         if start is None and end is None:
             return bytes(f.read(0, f.size))
         start = 0 if start is None else start
-        end = f.size if end is None else end
-        if start < 0 or end > f.size or start > end:
+        end = f.size if end is None else min(end, f.size)  # like a file: a read stops at EOF
+        if start < 0 or start > end:
             raise ValueError(f"{path}: bytes [{start}, {end}) are outside its {f.size} bytes")
         return f.read(start, end)
 

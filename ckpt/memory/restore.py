@@ -56,7 +56,14 @@ from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.layout import COMPLETE_NAME, DCP_METADATA_NAME, MANIFEST_NAME, checkpoint_dirname
 from ckpt.manifest import Manifest
 from ckpt.memory import fs as memory_fs
-from ckpt.memory.layout import COMMIT_NAME, SLOTS, read_commit, remove_slot
+from ckpt.memory.layout import (
+    COMMIT_NAME,
+    SLOTS,
+    open_private,
+    read_commit,
+    read_private,
+    remove_slot,
+)
 from ckpt.memory.tier import MemoryTier
 from ckpt.reader import SafeLoadPlanner, load_metadata
 from ckpt.tensorblob import data_layout
@@ -170,8 +177,11 @@ def _scan(run_dir: str) -> list[dict[str, Any]]:
                 out.append({"dir": slot_dir, "reason": loaded})
                 continue
             marker, _, raw = loaded
-            with open(os.path.join(slot_dir, COMMIT_NAME), "rb") as f:
-                commit = f.read()
+            try:
+                commit = read_private(os.path.join(slot_dir, COMMIT_NAME))
+            except OSError as exc:
+                out.append({"dir": slot_dir, "reason": f"COMMIT unreadable: {exc}"})
+                continue
             save_id = marker.attempt.save_id
             out.append({
                 "dir": slot_dir, "step": marker.step, "save_id": save_id,
@@ -291,7 +301,7 @@ def materialize(
         for name, path in here.items():
             if name != DCP_METADATA_NAME:
                 files[name] = memory_fs.MappedFile(path, entries[name].size)
-        metadata = load_metadata(raw, url=url)
+        metadata = load_metadata(raw, url=url, manifest=cand.manifest)
         wanted, whole = _plan_reads(template, metadata)
         mine = {name: spans for name, spans in wanted.items() if name not in here}
         targets = {name: whole[name] for name in mine if whole.get(name)}
@@ -675,12 +685,11 @@ def _whole_target(planner: Any, item: Any, metadata: Any) -> torch.Tensor | None
 
 
 def _read_whole(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    return read_private(path)
 
 
 def _file_crc32c(path: str) -> str:
-    with open(path, "rb") as f:
+    with os.fdopen(open_private(path), "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return crc32c_of(b"")
         with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as view:

@@ -59,10 +59,12 @@ from ckpt.memory.layout import (
     remove_other_launches,
     remove_slot,
     run_key,
+    secure_base_dir,
     unlink,
     write_file,
 )
 from ckpt.memory.replicate import Job, Replicator, replica_targets
+from ckpt.state_check import checked_state
 
 logger = logging.getLogger(__name__)
 
@@ -119,12 +121,15 @@ class MemoryTier:
             if self.target
             else None
         )
-        # Every rank fails alike when the directory cannot be created (another user's
-        # /dev/shm/ckpt-memory, a full tmpfs): set memory_dir or CKPT_MEMORY_DIR.
-        coll.on_every_rank(
-            f"creating the memory tier directory {self.holder_dir}",
-            lambda: os.makedirs(self.holder_dir, mode=0o700, exist_ok=True),
-        )
+
+        # Every rank fails alike when the directory is not safely this user's (another
+        # user's, a link, group-writable) or cannot be created (a full tmpfs): the error
+        # names it and the fix (memory_dir or CKPT_MEMORY_DIR).
+        def make_dirs() -> None:
+            secure_base_dir(self.base)
+            os.makedirs(self.holder_dir, mode=0o700, exist_ok=True)
+
+        coll.on_every_rank(f"creating the memory tier directory {self.holder_dir}", make_dirs)
         self.resumed = False
         self.newest_step: int | None = None
         self.last_snapshot_s: float | None = None
@@ -170,6 +175,7 @@ class MemoryTier:
         error, written = None, None
         phases = {"prepare_s": time.monotonic() - started}
         try:
+            state = checked_state(state)  # what a resume could not load back is refused
             if shard.set_up(self._layout, state, self.rank == 0):
                 assert self._layout is not None
                 written = shard.fast_write(self._layout, path)

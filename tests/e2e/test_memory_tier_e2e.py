@@ -116,7 +116,7 @@ def _jsonl(path: str) -> list[dict]:
 
 
 def _private_memory_dir() -> str:
-    # tmpfs like the default /dev/shm/ckpt-memory, but private to one test.
+    # tmpfs like the default /dev/shm/ckpt-memory-<uid>, but private to one test.
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     return os.path.join(base or "/tmp", f"ckpt-memory-e2e-{uuid.uuid4().hex[:8]}")
 
