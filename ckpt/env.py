@@ -8,6 +8,7 @@ project; :data:`VARIABLES` is this package's part of it.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
@@ -123,7 +124,7 @@ def run_identity(env: Mapping[str, str] | None = None) -> tuple[str, int]:
 def validate(env: Mapping[str, str] | None = None) -> None:
     """Parse every ``CKPT_*`` variable now, as its reader will (``ValueError`` naming the
     first bad one), and say at WARNING which ``CKPT_*`` names this library does not know
-    (a typo leaves a setting silently at its default).
+    (a name close to a known one: a typo leaves a setting silently at its default).
 
     A :class:`~ckpt.manager.CheckpointManager` calls it when built, so that a bad value
     stops a job before it trains, not at its first save.
@@ -138,10 +139,12 @@ def validate(env: Mapping[str, str] | None = None) -> None:
     get_int(SAVE_BLOCK_BYTES, 8 << 20, minimum=1, env=source)
     get_int(SAVE_THREAD_NICE, 19, minimum=0, maximum=19, env=source)
     parse_storage_faults(get_str(STORAGE_FAULTS, "", source))
-    unknown = sorted(n for n in source if n.startswith("CKPT_") and n not in VARIABLES)
-    if unknown:
-        logger.warning(
-            "ckpt: unknown environment variable(s) %s (known: %s): ignored",
-            ", ".join(unknown),
-            ", ".join(sorted(n for n in VARIABLES if n.startswith("CKPT_"))),
-        )
+    known = sorted(n for n in VARIABLES if n.startswith("CKPT_"))
+    for name in sorted(n for n in source if n.startswith("CKPT_") and n not in VARIABLES):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if close:  # a typo leaves the setting at its default; other CKPT_* names are yours
+            logger.warning(
+                "ckpt: environment variable %s is not one ckpt reads (did you mean %s?): ignored",
+                name,
+                close[0],
+            )

@@ -208,11 +208,14 @@ def test_every_ckpt_variable_is_checked_when_a_manager_is_built(tmp_path, monkey
     assert not (tmp_path / "root").exists()
 
 
-def test_an_unknown_ckpt_variable_is_said(monkeypatch, caplog):
+def test_a_misspelt_ckpt_variable_is_said(monkeypatch, caplog):
     monkeypatch.setenv("CKPT_STORAGE_TIMEOUT", "30")  # the _S forgotten
+    monkeypatch.setenv("CKPT_DIR", "/data/ckpt")  # a user's own variable (the Slurm recipe's)
     with caplog.at_level(logging.WARNING, logger="ckpt"):
         ckpt_env.validate()
-    assert any("CKPT_STORAGE_TIMEOUT" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("CKPT_STORAGE_TIMEOUT " in m and "CKPT_STORAGE_TIMEOUT_S" in m for m in said)
+    assert not any("CKPT_DIR" in m for m in said)
 
 
 @pytest.mark.parametrize(
