@@ -123,14 +123,13 @@ def run_identity(env: Mapping[str, str] | None = None) -> tuple[str, int]:
 
 def validate(env: Mapping[str, str] | None = None) -> None:
     """Parse every ``CKPT_*`` variable now, as its reader will (``ValueError`` naming the
-    first bad one), and say at WARNING which ``CKPT_*`` names this library does not know
+    first bad one; ``CKPT_STORAGE_FAULTS`` is parsed by the fault registry a manager
+    builds, :func:`ckpt.faults.check_env`), and say at WARNING which ``CKPT_*`` names this library does not know
     (a name close to a known one: a typo leaves a setting silently at its default).
 
     A :class:`~ckpt.manager.CheckpointManager` calls it when built, so that a bad value
     stops a job before it trains, not at its first save.
     """
-    from ckpt.faults import parse_storage_faults  # imports this module
-
     source = _source(env)
     get_float(STORAGE_TIMEOUT_S, 300.0, positive=True, env=source)
     get_int(STORAGE_RETRIES, 6, minimum=1, maximum=1000, env=source)
@@ -138,7 +137,6 @@ def validate(env: Mapping[str, str] | None = None) -> None:
     get_float(COLLECTIVE_TIMEOUT_S, 600.0, positive=True, env=source)
     get_int(SAVE_BLOCK_BYTES, 8 << 20, minimum=1, env=source)
     get_int(SAVE_THREAD_NICE, 19, minimum=0, maximum=19, env=source)
-    parse_storage_faults(get_str(STORAGE_FAULTS, "", source))
     known = sorted(n for n in VARIABLES if n.startswith("CKPT_"))
     for name in sorted(n for n in source if n.startswith("CKPT_") and n not in VARIABLES):
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)

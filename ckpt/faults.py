@@ -137,6 +137,12 @@ def storage_fault_from_fields(text: str, fields: dict[str, str]) -> StorageFault
     return StorageFault(**kwargs)
 
 
+def check_env() -> None:
+    """Parse ``CKPT_STORAGE_FAULTS`` now (``ValueError`` naming the bad item), as a
+    manager's registry will when it is built."""
+    parse_storage_faults(env.get_str(ENV_STORAGE_FAULTS, ""))
+
+
 def parse_storage_faults(text: str) -> list[StorageFault]:
     """Parse ``;``-separated storage faults (the ``CKPT_STORAGE_FAULTS`` value).
 

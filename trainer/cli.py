@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ckpt import env as ckpt_env
+from ckpt import faults as ckpt_faults
 from trainer.config import TrainConfig, load_config
 
 
@@ -95,4 +96,5 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     cfg = load_config(args.config, overrides)
     cfg.run.faults = [*cfg.run.faults, *args.fault]
     ckpt_env.validate()  # a bad CKPT_* variable is a bad configuration: exit 2, before training
+    ckpt_faults.check_env()
     return cfg

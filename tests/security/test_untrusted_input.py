@@ -200,9 +200,12 @@ def test_a_hosted_ft_store_serves_on_the_endpoint_address():
     ],
 )
 def test_every_ckpt_variable_is_checked_when_a_manager_is_built(tmp_path, monkeypatch, name, value):
+    from ckpt.faults import check_env
+
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name if name != "CKPT_STORAGE_FAULTS" else "nonsense"):
         ckpt_env.validate()
+        check_env()
     with pytest.raises(ValueError):
         ckpt.CheckpointManager(str(tmp_path / "root"), {"m": torch.nn.Linear(2, 2)})
     assert not (tmp_path / "root").exists()
