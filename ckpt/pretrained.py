@@ -294,17 +294,10 @@ def _say(result: PretrainedLoad) -> None:
             len(result.cast),
             "; ".join(result.cast[:5]) + (" ..." if len(result.cast) > 5 else ""),
         )
-    if result.unexpected:
-        logger.warning(
-            "rank 0: %d tensor(s) in %s that the model does not have, not loaded: %s",
-            len(result.unexpected),
-            result.path,
-            ", ".join(result.unexpected[:10]) + (" ..." if len(result.unexpected) > 10 else ""),
-        )
-    if result.missing:
-        logger.warning(
-            "rank 0: %d tensor(s) of the model are not in %s and stay as initialized: %s",
-            len(result.missing),
-            result.path,
-            ", ".join(result.missing[:10]) + (" ..." if len(result.missing) > 10 else ""),
-        )
+    for listed_names, what in (
+        (result.unexpected, "tensor(s) in %s that the model does not have, not loaded"),
+        (result.missing, "tensor(s) of the model are not in %s and stay as initialized"),
+    ):
+        if listed_names:
+            listed = ", ".join(listed_names[:10]) + (" ..." if len(listed_names) > 10 else "")
+            logger.warning("rank 0: %d " + what + ": %s", len(listed_names), result.path, listed)

@@ -4,15 +4,17 @@ A tiny ``LlamaForCausalLM`` (random init or ``--init-from`` a ``save_pretrained`
 directory, tied embeddings) on variable-length token sequences, with a padding collate,
 ``DataLoader(num_workers=1)``, AdamW and ``get_cosine_schedule_with_warmup``, FSDP2 per
 layer, trained for ``--epochs`` epochs with ``for epoch in ...: for batch in loader:``.
-``examples/plain/hf_llama_epochs.py`` is the same script before; the lines that differ
-are marked ``[ft]`` here. What they buy:
+``examples/conversions/hf_llama_epochs.patch`` is the change from the plain script; the
+lines it adds are marked ``[ft]`` here. What they buy:
 
 - a crash restarted by torchrun resumes from the newest committed checkpoint in the
   epoch it was in, at the batch it was at, bitwise identically on the same world size;
 - a resume on another world size continues with the same samples (the loss is divided
-  by the step's token count over all ranks, so a step's gradient does not depend on
-  the world size), and with ``--allow-batch-change`` with another ``--global-batch``,
-  from the same sample;
+  by the step's token count over all ranks and scaled by the world size, which the
+  gradient average over ranks takes back, as ``transformers``' Trainer does with
+  ``average_tokens_across_devices``: a step's gradient does not depend on the world
+  size), and with ``--allow-batch-change`` with another ``--global-batch``, from the
+  same sample;
 - ``python -m ckpt export CKPT_DIR OUT`` writes a directory ``from_pretrained`` loads
   (config and generation config included, the tied weight once).
 
@@ -33,7 +35,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
@@ -86,12 +88,6 @@ def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            # [ft] The loss is divided by the tokens of all ranks: sum the gradients, so a
-            # step's update does not depend on the world size (forced: gloo has no PREMUL_SUM).
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -141,9 +137,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                 idx = batch.pop("idx")
                 batch = {k: v.to(device) for k, v in batch.items()}
                 tokens = (batch["labels"][:, 1:] != -100).sum()
-                dist.all_reduce(tokens)  # [ft] the step's tokens on every rank
+                dist.all_reduce(tokens)  # [ft] the step's tokens on every rank...
                 out = model(**batch, num_items_in_batch=tokens)
-                out.loss.backward()
+                (out.loss * world).backward()  # [ft] ...so the gradient is world-size free
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
@@ -170,23 +166,21 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
     )
     torch.use_deterministic_algorithms(True)
     device = elastic.init_distributed().device  # [ft] torchrun's group, else a 1-rank one
     try:
         train(args, device)
+    except elastic.Preempted as exc:  # [ft] SIGTERM: exit 143 after the emergency checkpoint
+        return exc.exit_code
     finally:
         elastic.close_distributed()  # [ft]
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit as exc:  # elastic.Preempted (143), argparse (0 for --help, 2)
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-    elastic.exit_now(code)  # [ft] leave without interpreter teardown (gloo threads)
+    elastic.exit_now(main())  # [ft] leave without interpreter teardown (gloo threads)

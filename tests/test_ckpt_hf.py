@@ -183,7 +183,7 @@ def test_missing_and_misshapen_tensors_are_named(pretrained, tmp_path):
     with pytest.raises(ckpt.StateMismatchError, match=r"mlp\.gate_proj\.weight: \[48, 32\]"):
         ckpt.load_pretrained(wider, path)
     untied = tiny_llama(1, tie_word_embeddings=False)
-    with pytest.raises(ckpt.StateMismatchError, match="lm_head.weight"):
+    with pytest.raises(ckpt.StateMismatchError, match=r"lm_head\.weight"):
         ckpt.load_pretrained(untied, path)
     result = ckpt.load_pretrained(untied, path, strict=False)
     assert result.missing == ["lm_head.weight"]

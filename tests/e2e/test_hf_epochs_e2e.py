@@ -11,13 +11,13 @@ events.jsonl, the checkpoints and the export).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from test_bring_your_own_model import read_jsonl
 
 from testing.local_cluster import REPO
 from testing.procs import TORCHRUN_CLEAN_ENV, RunTimeoutError, run_bounded, torchrun_trainer
@@ -40,12 +40,15 @@ def _example():
     return module
 
 
-def launch(nproc: int, ckpt_dir: str, run_dir: str, *args: str, max_restarts: int = 0):
-    """The example on ``nproc`` ranks under torchrun (``nproc=0``: one plain process)."""
+def launch(
+    nproc: int, ckpt_dir: str, run_dir: str, *args: str, max_restarts: int = 0, ok: bool = True
+) -> subprocess.CompletedProcess:
+    """The example on ``nproc`` ranks under torchrun (``nproc=0``: one plain process); with
+    ``ok``, it must exit 0."""
     flags = ["--ckpt-dir", ckpt_dir, "--run-dir", run_dir, *args]
     try:
         if nproc:
-            return torchrun_trainer(
+            result = torchrun_trainer(
                 flags,
                 cwd=REPO,
                 nproc=nproc,
@@ -53,22 +56,15 @@ def launch(nproc: int, ckpt_dir: str, run_dir: str, *args: str, max_restarts: in
                 timeout_s=TIMEOUT_S,
                 program=(SCRIPT,),
             )
-        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_CLEAN_ENV}
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        return run_bounded([sys.executable, SCRIPT, *flags], env=env, cwd=REPO, timeout_s=TIMEOUT_S)
+        else:
+            env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_CLEAN_ENV}
+            env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            cmd = [sys.executable, SCRIPT, *flags]
+            result = run_bounded(cmd, env=env, cwd=REPO, timeout_s=TIMEOUT_S)
     except RunTimeoutError as exc:
         pytest.fail(str(exc))
-
-
-def launch_ok(*args, **kwargs) -> subprocess.CompletedProcess:
-    result = launch(*args, **kwargs)
-    assert result.returncode == 0, result.stdout[-6000:]
+    assert not ok or result.returncode == 0, result.stdout[-6000:]
     return result
-
-
-def read_jsonl(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
 
 
 def rows(run_dir: str) -> dict[int, dict]:
@@ -101,7 +97,7 @@ def init_dir(root) -> str:
 def base(root, init_dir) -> dict:
     """The uninterrupted 2-rank run: 3 epochs, a checkpoint every 2 steps."""
     ckpt_dir, run_dir = str(root / "base_ckpt"), str(root / "base_run")
-    started = launch_ok(2, ckpt_dir, run_dir, "--init-from", init_dir)
+    started = launch(2, ckpt_dir, run_dir, "--init-from", init_dir)
     assert f"model initialized from {init_dir}" in started.stdout  # ckpt.load_pretrained
     got = rows(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -117,7 +113,7 @@ def base(root, init_dir) -> dict:
 def test_a_kill_in_epoch_two_resumes_bitwise_at_its_epoch_and_batch(root, init_dir, base):
     ckpt_dir, run_dir = str(root / "kill_ckpt"), str(root / "kill_run")
     args = ["--init-from", init_dir, "--fault", "kill:step=7:rank=1"]
-    result = launch_ok(2, ckpt_dir, run_dir, *args, max_restarts=1)
+    result = launch(2, ckpt_dir, run_dir, *args, max_restarts=1)
     assert result.stdout.count("model initialized from") == 1  # the restart resumed instead
     got = rows(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))  # ended after 3 epochs, not one step more
@@ -135,9 +131,11 @@ def test_a_kill_in_epoch_two_resumes_bitwise_at_its_epoch_and_batch(root, init_d
 @pytest.mark.timeout(300)
 def test_two_ranks_then_one_continues_the_same_samples_to_the_last_epoch(root, init_dir, base):
     ckpt_dir, run_dir = str(root / "shrink_ckpt"), str(root / "shrink_run")
-    stopped = launch(2, ckpt_dir, run_dir, "--init-from", init_dir, "--fault", "exit:step=7")
+    stopped = launch(
+        2, ckpt_dir, run_dir, "--init-from", init_dir, "--fault", "exit:step=7", ok=False
+    )
     assert stopped.returncode != 0
-    launch_ok(0, ckpt_dir, run_dir, "--init-from", init_dir)  # one plain process
+    launch(0, ckpt_dir, run_dir, "--init-from", init_dir)  # one plain process
     got = rows(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in got:
@@ -183,10 +181,12 @@ def test_two_to_four_ranks_with_the_global_batch_doubled_continues_at_the_same_s
     root, init_dir
 ):
     ckpt_dir, run_dir = str(root / "grow_ckpt"), str(root / "grow_run")
-    stopped = launch(2, ckpt_dir, run_dir, "--init-from", init_dir, "--fault", "exit:step=7")
+    stopped = launch(
+        2, ckpt_dir, run_dir, "--init-from", init_dir, "--fault", "exit:step=7", ok=False
+    )
     assert stopped.returncode != 0  # steps 1-6 done, checkpoint 6: epoch 1, at sample 16 of 28
     args = ["--init-from", init_dir, "--global-batch", "16", "--allow-batch-change"]
-    grown = launch_ok(4, ckpt_dir, run_dir, *args)
+    grown = launch(4, ckpt_dir, run_dir, *args)
     assert "the global batch changes from 8 to 16 at sample cursor 44" in grown.stdout
     changes = events(run_dir, "batch_change")
     assert [(e["step"], e["cursor"], e["old_global_batch"], e["new_global_batch"])
