@@ -331,3 +331,37 @@ def test_a_deterministic_error_repeated_at_the_same_point_ends_the_later_attempt
     relaunched = attempt(0)  # the same run id launched again: its own first attempt
     assert "started" in relaunched.stdout, relaunched.stderr
     assert "is an error a restart reproduces" in relaunched.stderr
+
+
+BATCH_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import ckpt
+    import elastic
+
+    root, batch = sys.argv[1], int(sys.argv[2])
+    model = torch.nn.Linear(4, 2)
+    sampler = elastic.ElasticSampler(25, batch, seed=0, rank=0, world_size=2,
+                                     allow_batch_change=True)
+    loader = sampler.epoch_loader(range(25), collate_fn=list)
+    with ckpt.CheckpointManager(root, {"model": model, "sampler": sampler}, every=1) as manager:
+        step = manager.resume() or 0
+        for batch_ids in loader:  # the rest of the cursor's epoch
+            step += 1
+            manager.maybe_save(step)
+    """
+)
+
+
+def test_a_dropped_epoch_tail_and_a_global_batch_change_are_said(tmp_path):
+    script = tmp_path / "batch.py"
+    script.write_text(BATCH_SCRIPT)
+    root = str(tmp_path / "ckpt")
+    first = run(str(script), root, "8")  # 25 = 3 x 8 + 1: one sample cannot feed 2 ranks
+    assert first.returncode == 0, first.stderr
+    assert "epoch 0: its last 1 sample(s) are dropped: fewer than the 2 ranks" in first.stderr
+    second = run(str(script), root, "10")  # the next epoch with a bigger global batch
+    assert second.returncode == 0, second.stderr
+    assert "the global batch changes from 8 to 10 at sample cursor 25" in second.stderr
+    assert "allow_batch_change=True" in second.stderr
