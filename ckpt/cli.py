@@ -482,7 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help='JSON file {"our.name": "their.name", "dropped.name": null}; unlisted names stay',
     )
-    p.add_argument("--config", metavar="FILE", help="safetensors: copy FILE as OUT/config.json")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="safetensors: copy FILE as OUT/config.json (default: the config and generation "
+        "config the checkpoint recorded for a transformers model; without either, a warning: "
+        "from_pretrained needs a config.json)",
+    )
     p.set_defaults(func=cmd_export)
     return parser
 

@@ -6,9 +6,15 @@ says what to do. Catch :class:`CheckpointError` to handle any of them
 Every exception ``ckpt`` raises on purpose is defined here (the transport-level
 ``OSError`` stand-ins of fault injection and the gs:// client stay next to their code:
 the storage layer turns them into :class:`StorageError`).
+
+:class:`StateMismatchError` (and so :class:`CheckpointShapeError`), :class:`DataPositionError`
+and :class:`StateSpecError` are deterministic (``runcore.errors.DeterministicError``): the
+same script on the same checkpoint raises them again, so a restart cannot help.
 """
 
 from __future__ import annotations
+
+from runcore.errors import DeterministicError
 
 
 class CheckpointError(Exception):
@@ -81,7 +87,7 @@ class NoLoadableCheckpointError(CheckpointError):
         self.reasons = reasons
 
 
-class StateMismatchError(CheckpointError):
+class StateMismatchError(CheckpointError, DeterministicError):
     """The state to load does not match the checkpoint (missing key, other shape).
 
     Falling back to an older checkpoint cannot fix this, so load raises it at once.
@@ -115,7 +121,7 @@ class CheckpointShapeError(StateMismatchError):
     """The newest checkpoint was written for objects of other shapes (another model)."""
 
 
-class DataPositionError(CheckpointError):
+class DataPositionError(CheckpointError, DeterministicError):
     """A save where training steps advanced but the data position (sampler cursor) did not."""
 
 
@@ -123,7 +129,7 @@ class ExportError(CheckpointError):
     """The export cannot be done as asked (bad input, existing output, wrong checkpoint)."""
 
 
-class StateSpecError(TypeError):
+class StateSpecError(TypeError, DeterministicError):
     """A value in the manager's state dict cannot be checkpointed as given (a ``TypeError``)."""
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckpt import dist as _dist
-from ckpt import env
+from ckpt import env as _env
 from ckpt import root_check as _root_check
 from ckpt.app_state import AppState
 from ckpt.capture import StateCapture
@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 EventCallback = Callable[..., None]
 """``on_event(name, step, **fields)``: the signature of a run recorder's ``event``."""
+PARAM_GROUPS = ("checkpoint", "constructed")
+"""``param_groups=``: whose optimizer settings a resume keeps (see the class docstring)."""
 
 
 class CheckpointManager:
@@ -98,6 +100,14 @@ class CheckpointManager:
     every rank at the same step, and a failed ``final`` save raises it at once: a job
     must not train on, or exit 0, without a checkpoint. A commit resets the count.
 
+    Optimizer settings: a resume loads each optimizer's param groups from the checkpoint
+    (torch's ``load_state_dict``), so a changed ``--lr`` or weight decay would silently
+    give way to the saved one; the values that differ are said at WARNING on rank 0.
+    ``param_groups="constructed"`` keeps the values the optimizer was built with instead
+    (a scheduler-driven ``lr`` keeps its place in the schedule, scaled to the new base
+    lr). An optimizer stepped by an LR scheduler that is not in ``state`` is said at
+    WARNING here: the schedule (its warm-up) would start over after every resume.
+
     Construct it on every rank at the same point: with a process group it creates the
     checkpoint gloo group, which is a collective.
     """
@@ -119,6 +129,7 @@ class CheckpointManager:
         memory_every: int = 0,
         memory_dir: str | None = None,
         max_failures: int = 3,
+        param_groups: str = "checkpoint",
     ) -> None:
         if not isinstance(root, str) or not root:
             raise ValueError(f"root must be a non-empty str URL or path, got {root!r}")
@@ -129,9 +140,14 @@ class CheckpointManager:
                 f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}"
             )
         SaveFailures.validate(max_failures)
-        env.validate()  # every CKPT_* variable now, not at the first save
+        if param_groups not in PARAM_GROUPS:
+            raise ValueError(
+                f"param_groups must be one of {', '.join(PARAM_GROUPS)}, got {param_groups!r}"
+            )
+        _env.validate()  # every CKPT_* variable now, not at the first save
         self.root = root
         self.app = AppState.classify(state)
+        self.param_groups = param_groups
         self.every = every
         self.async_save = async_save
         self.rng = rng
@@ -180,7 +196,17 @@ class CheckpointManager:
         )
         if self.rank == 0:
             logger.warning("rank 0: checkpoints under %s: %s", root, describe_retention(retention))
+            for key in self.app.unsaved_schedulers():
+                logger.warning(
+                    "rank 0: state[%r] is stepped by an LR scheduler that is not in the "
+                    "checkpoint state: after a resume its schedule (warm-up included) starts "
+                    'over. Add the scheduler: CheckpointManager(root, {..., "sched": '
+                    "scheduler})",
+                    key,
+                )
         self._closed = False
+        self._final_step: int | None = None
+        self._said_after_final = False
 
     # -- events --------------------------------------------------------------------------
 
@@ -212,7 +238,7 @@ class CheckpointManager:
 
     # -- resume --------------------------------------------------------------------------
 
-    def resume(self, *, must: bool = False) -> int | None:
+    def resume(self, *, must: bool = False, this_job_only: bool = False) -> int | None:
         """Load the newest committed checkpoint that verifies; return its step, or None.
 
         Collective. Checks the root first (:meth:`check_root`). Returns None, touching
@@ -227,8 +253,21 @@ class CheckpointManager:
 
         One path for every tier (:mod:`ckpt.tiers`): the memory tier's snapshots newer
         than the durable head first (when it is on), then the durable root.
+
+        ``this_job_only``: for a job launched not to resume (the trainer's ``--resume
+        false``), whose torchrun restarts must still resume their own work: only a
+        checkpoint this job wrote in an earlier attempt (the same run id,
+        ``TORCHELASTIC_RUN_ID``, and a lower restart count; the job-wide restart count is
+        one small collective) is loaded; the first attempt loads nothing.
         """
         self.check_root()
+        this_job = None
+        if this_job_only:
+            run_id, local_restarts = _env.run_identity()
+            restarts = max(_dist.Collective(self._group).all_gather(local_restarts))
+            if restarts == 0:
+                return None
+            this_job = (run_id, restarts)
         # One listing of the root for the whole resume (the coordinator's; load reuses it).
         catalog = Catalog(Storage(self.root, self.storage_options))
         walk = ResumeWalk(
@@ -242,6 +281,8 @@ class CheckpointManager:
             seed=self.seed,
             emit=self._emit,
             memory_url=self._memory.url if self._memory is not None else None,
+            param_groups=self.param_groups,
+            this_job=this_job,
         )
         step = walk.run(catalog, self._tiers(catalog), must=must)
         if walk.info is not None:
@@ -280,6 +321,9 @@ class CheckpointManager:
         snapshot, committed on every rank's node when this returns (a failure is logged
         and reported as ``memory_snapshot_failed``; training goes on).
         """
+        self._say_stepping_after_final(step)
+        if final:
+            self._final_step = step
         captured = None
         if self._memory is not None and not final and self._memory.due(step):
             captured = self._state.capture(step, reuse_shapes=True)
@@ -291,6 +335,20 @@ class CheckpointManager:
         if final and url is None:
             raise self.failures.final_failed(step)
         return url
+
+    def _say_stepping_after_final(self, step: int) -> None:
+        """WARNING (once) when a loop goes on after its ``final`` save: an epoch loop over
+        the endless step loader, or a ``final`` flag computed wrong."""
+        if self._final_step is None or step <= self._final_step or self._said_after_final:
+            return
+        self._said_after_final = True
+        if self.rank == 0:
+            logger.warning(
+                "rank 0 step %d: training goes on after the final save at step %d "
+                "(maybe_save(final=True)). An epoch loop over sampler.loader() never ends: "
+                "use sampler.epoch_loader() for `for batch in loader` epochs",
+                step, self._final_step,
+            )  # fmt: skip
 
     def save(self, step: int, *, blocking: bool = True, emergency: bool = False) -> str | None:
         """Save ``step`` now (collective); returns the URL, or None when the save failed.

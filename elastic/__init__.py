@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         MicroBatchSplitError,
         Preempted,
         PreemptionHandlerError,
+        SamplerStateError,
     )
     from elastic.events import RunRecorder
     from elastic.faults import FaultPlan, parse_fault_spec
@@ -52,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "RunRecorder": "elastic.events",
     "exit_now": "elastic.process",
     "PreemptionHandlerError": "elastic.errors",
+    "SamplerStateError": "elastic.errors",
 }
 """The public names: what a training script needs. Everything else is reachable in its
 module (``elastic.watchdog.Watchdog``, ``elastic.identity.RunIdentity``, ...)."""
@@ -69,6 +71,7 @@ __all__ = [
     "PreemptionHandlerError",
     "RunGuard",
     "RunRecorder",
+    "SamplerStateError",
     "close_distributed",
     "exit_now",
     "init_distributed",

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.identity import RunIdentity, job_restart_count
+from elastic.repeats import stop_if_repeated
 
 logger = logging.getLogger(__name__)
 
@@ -170,11 +171,13 @@ def init_distributed(
     ``identity`` defaults to :meth:`RunIdentity.from_env` (a malformed torchrun variable
     raises ``ValueError`` naming it). An already initialized group is kept. Raises
     ``RuntimeError`` for ``WORLD_SIZE`` > 1 without ``MASTER_ADDR`` (not launched by
-    torchrun and no rendezvous address given).
+    torchrun and no rendezvous address given). Raises ``elastic.errors.RepeatedErrorStop``
+    at once when this job's deterministic error repeated (:mod:`elastic.repeats`).
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     identity = RunIdentity.from_env() if identity is None else identity
+    stop_if_repeated(identity)
     use_cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if use_cuda else "gloo")
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -20,6 +20,17 @@ go to ``on_event(name, step, every_rank=..., **fields)`` on every rank; a run re
 writes ``every_rank`` events (a fault fired on this rank) on every rank, so a fault on
 rank 1 is recorded by rank 1, and the others (agreed by all ranks) on rank 0 only.
 
+An epoch loop numbers its steps with :meth:`RunGuard.batches` instead (``for step,
+batch in guard.batches(loader, start)`` in each epoch): the same hooks, each step's
+faults and preemption check before its batch is fetched.
+
+An exception that a restart reproduces (``runcore.errors.DeterministicError``: a
+checkpoint of other shapes, a data position that does not advance) leaving the ``with``
+block is recorded (``deterministic_error`` event) and noted for the job's next attempt;
+when that attempt ends with the same error at the same point, every later attempt of
+the job ends at its start (:mod:`elastic.repeats`), instead of each one burning a
+restart after a full start-up.
+
 The saver is duck-typed (``ckpt.CheckpointManager`` is one): ``expected_save_s() ->
 float | None``, ``emergency_save(step) -> bool`` (collective) and
 ``inject_storage_fault(spec: str)``, and, if it has one, ``close()``: the guard closes
@@ -32,12 +43,13 @@ imports ``ckpt``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from elastic.errors import Preempted
 from elastic.faults import FaultPlan, FaultSpec
@@ -51,9 +63,13 @@ from elastic.heartbeat import (
 )
 from elastic.identity import RunIdentity, job_restart_count, restart_setup_problem
 from elastic.preemption import PreemptionHandler, agree_on_preemption
+from elastic.repeats import MAX_MESSAGE_CHARS, ErrorNote, note_for, same_failure, stop_if_repeated
 from elastic.straggler import StragglerMonitor
 from elastic.watchdog import Watchdog
 from runcore import events as ev
+from runcore.errors import is_deterministic
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +158,8 @@ class RunGuard:
         peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
     ) -> None:
         identity = RunIdentity.from_env(env)
+        stop_if_repeated(identity)  # this job's deterministic error repeated: end at once
+        self._notes = note_for(identity)
         self.plan = FaultPlan.from_args_and_env(faults, env)
         self.saver = saver
         self._on_event = on_event
@@ -171,6 +189,10 @@ class RunGuard:
         self._step = 0
         self._last_finished: float | None = None
         self._step_gaps: list[float] = []
+        self._prepared = 0
+        """The last step whose :meth:`before_step` ran (an epoch's end runs one ahead)."""
+        self._stepped = False
+        self._last_step = 0
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -188,7 +210,7 @@ class RunGuard:
             self._stack.callback(self.heartbeat.stop)
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         try:
             close = getattr(self.saver, "close", None)
             if callable(close):
@@ -196,6 +218,48 @@ class RunGuard:
         finally:
             self._stack.close()
             self.preemption = self.watchdog = self.heartbeat = None
+            if is_deterministic(exc):
+                self._note_deterministic(exc)  # type: ignore[arg-type]
+            elif exc is None and self._notes is not None:
+                self._notes.clear()
+
+    def _note_deterministic(self, exc: BaseException) -> None:
+        """Record an error a restart reproduces, and say whether it repeats the last one."""
+        message = " ".join(str(exc).split())[:MAX_MESSAGE_CHARS]
+        note = ErrorNote(
+            error=type(exc).__name__,
+            point=f"step {self._step}" if self._step else "start-up",
+            message=message,
+            restart_count=self.attempt,
+        )
+        previous = self._notes.read() if self._notes is not None else None
+        repeated = same_failure(previous, note)
+        if self._notes is not None:
+            self._notes.write(dataclasses.replace(note, repeated=repeated))
+        self.event(
+            ev.DETERMINISTIC_ERROR,
+            self._step,
+            error=note.error,
+            point=note.point,
+            message=message,
+            repeated=repeated,
+            restart_count=self.attempt,
+        )
+        if self.rank != 0:
+            return
+        if repeated:
+            logger.error(
+                "rank 0: %s at %s again, as in the attempt before: a restart runs the same "
+                "code on the same checkpoint and cannot fix it, so this job's remaining "
+                "restarts end at start-up. Fix the cause and launch again",
+                note.error, note.point,
+            )  # fmt: skip
+        elif self._notes is not None:
+            logger.error(
+                "rank 0: %s at %s is an error a restart reproduces; if the next attempt "
+                "meets it at the same point, the job's later attempts end at start-up",
+                note.error, note.point,
+            )  # fmt: skip
 
     def _start_heartbeat(self) -> PeerHeartbeat | None:
         """The peer failure detector, when a process group of 2+ ranks with a TCP store exists."""
@@ -258,12 +322,51 @@ class RunGuard:
         each; the first step of the attempt runs under the slow-phase allowance."""
         for step in range(start + 1, stop + 1):
             self.before_step(step)
-            self._step_time_s = None
-            started = time.perf_counter()
-            with self.slow_phase() if step == start + 1 else contextlib.nullcontext():
+            with self._timed(step, first=step == start + 1):
                 yield step
-            measured = time.perf_counter() - started
-            self.after_step(step, measured if self._step_time_s is None else self._step_time_s)
+
+    def batches(self, loader: Iterable[T], start: int) -> Iterator[tuple[int, T]]:
+        """Yield ``(step, batch)`` for each batch of ``loader``: the epoch-loop form of :meth:`steps`.
+
+        ``start`` is the step the run resumed from (``manager.resume() or 0``): steps are
+        numbered on from it, and from the last step this guard handed out, so the same
+        call in every epoch continues the count (``for step, batch in
+        guard.batches(loader, start)``; :attr:`last_step` after the loops). Each step's
+        faults and preemption check run before its batch is fetched, so an emergency
+        save never counts a batch that was not trained on (an epoch loader moves its
+        cursor at the fetch); the check for the step after an epoch's last batch runs
+        once, at the end of that epoch.
+        """
+        iterator = iter(loader)
+        self._last_step = step = max(start, self._last_step)
+        while True:
+            step += 1
+            if self._prepared != step:
+                self.before_step(step)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self._last_step = step
+            with self._timed(step, first=not self._stepped):
+                yield step, batch
+
+    @property
+    def last_step(self) -> int:
+        """The last step :meth:`batches` handed out (its ``start`` before the first)."""
+        return self._last_step
+
+    @contextlib.contextmanager
+    def _timed(self, step: int, *, first: bool) -> Iterator[None]:
+        """The body of one step: timed, under the slow-phase allowance when it is the
+        attempt's first, then :meth:`after_step` (not when the body raised)."""
+        self._step_time_s = None
+        self._stepped = True
+        started = time.perf_counter()
+        with self.slow_phase() if first else contextlib.nullcontext():
+            yield
+        measured = time.perf_counter() - started
+        self.after_step(step, measured if self._step_time_s is None else self._step_time_s)
 
     def record_step_time(self, seconds: float) -> None:
         """Inside :meth:`steps`: the compute time of this step, for the straggler report
@@ -277,6 +380,7 @@ class RunGuard:
         Raises :class:`Preempted` after any emergency save of step ``step - 1``.
         """
         self._step = step
+        self._prepared = step
         for spec in self.plan.storage_faults_due(step, self.rank, self.attempt):
             self.event(ev.FAULT, step, every_rank=True, spec=str(spec), rank=self.rank)
             if self.saver is None:

@@ -57,13 +57,16 @@ def torchrun_trainer(
     max_restarts: int = 0,
     timeout_s: float = 90,
     program: tuple[str, ...] = ("-m", "trainer"),
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``torchrun --standalone --nproc_per_node=N -m trainer ARGS``, bounded (stdout+stderr).
 
-    ``program``: what torchrun runs instead of ``-m trainer`` (e.g. a script's path).
+    ``program``: what torchrun runs instead of ``-m trainer`` (e.g. a script's path);
+    ``env_extra``: variables added to its environment.
     """
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_CLEAN_ENV}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.update(env_extra or {})
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}", "--monitor_interval=0.5",

@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         choices=("true", "false", "must"),
         help="true (default): resume from the newest committed checkpoint under the root if there "
-        "is one, else start from step 0 and say so; false: start from step 0; must: exit 1 when "
+        "is one, else start from step 0 and say so; false: start from step 0 (a torchrun restart "
+        "of the same job still resumes the checkpoints this job wrote); must: exit 1 when "
         "the root holds no committed checkpoint (overrides checkpoint.resume). A root that is, or "
         "is inside, a checkpoint directory is refused, and so is one the job cannot write (exit 1)",
     )

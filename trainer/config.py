@@ -146,7 +146,8 @@ class CheckpointConfig:
     resume: bool | str = True
     """true: resume from the newest committed checkpoint under ``dir`` when there is one
     (a WARNING says when there is none); false: start from step 0 (the root is still
-    checked); ``"must"``: resume, and fail (exit 1) when ``dir`` holds no committed
+    checked), while a torchrun restart of the same job resumes the checkpoints this job
+    wrote; ``"must"``: resume, and fail (exit 1) when ``dir`` holds no committed
     checkpoint."""
     max_failures: int = 3
     """Stop the job (exit 1) after this many checkpoint saves failed in a row; 0 never

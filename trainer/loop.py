@@ -241,10 +241,16 @@ def resume(
     """Resume from the newest committed checkpoint, or check the root is usable (collective).
 
     With ``checkpoint.resume = "must"`` a root without a committed checkpoint is an
-    error; otherwise the manager says at WARNING that the run starts from step 0.
+    error; otherwise the manager says at WARNING that the run starts from step 0. With
+    ``checkpoint.resume = false`` the job does not resume at its start, but a torchrun
+    restart of it resumes the checkpoints it wrote itself (``this_job_only``): starting
+    over would collide with them (``CheckpointExistsError``) and lose its steps.
     """
     if not cfg.checkpoint.resume:
-        manager.check_root()
+        step = manager.resume(this_job_only=True)
+        if step is not None and ctx.is_main:
+            logger.info("rank 0: restart of this job: data cursor %d after step %d",
+                        run.sampler.cursor, step)  # fmt: skip
         return
     if ctx.is_main:
         logger.info("rank 0: looking for a committed checkpoint under %s", manager.root)

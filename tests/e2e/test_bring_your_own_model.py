@@ -248,11 +248,14 @@ def test_ckpt_verify_accepts_the_checkpoints_and_rejects_a_flipped_byte(root, ki
     assert bad.returncode == 1, bad.stdout + bad.stderr
 
 
-def test_example_uses_only_the_public_api():
-    """The example is a user's script: no trainer, no test harness, no private names."""
+@pytest.mark.parametrize(
+    "script", [SCRIPT, os.path.join(REPO, "examples", "hf_llama_epochs.py")], ids=os.path.basename
+)
+def test_example_uses_only_the_public_api(script):
+    """The examples are users' scripts: no trainer, no test harness, no private names."""
     import ast
 
-    with open(SCRIPT, encoding="utf-8") as fh:
+    with open(script, encoding="utf-8") as fh:
         tree = ast.parse(fh.read())
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
