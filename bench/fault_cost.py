@@ -137,7 +137,9 @@ def survivor_exits(logs: list[str], year: int) -> list[float]:
     ("failed (exitcode ..."), which it writes once every worker has exited (pure).
 
     After a kill torchrun signals the group's live workers and waits for all of them, so
-    this is how long the slowest survivor took to leave after the signal."""
+    this is how long the slowest survivor took to leave after the signal; a survivor that
+    left on its own first (its collective with the dead rank failed) gets no signal and
+    adds nothing."""
     marks = sorted(
         [(t, "sigterm") for t in torch_marks(logs, year, SIGTERM_MARK)]
         + [(t, "exit") for t in torch_marks(logs, year, GROUP_EXIT_MARK)]
@@ -157,8 +159,8 @@ def loader_fault_cost_run(
     work: str, plan: KillPlan, timeout_s: float, *, warm: bool, rdzv_backend: str = "ft"
 ) -> dict[str, Any]:
     """The loader-worker job of ``plan`` (:func:`bench.elastic_runs.loader_run`):
-    its result plus ``cost`` (:func:`fault_cost`) and ``survivor_exit_s`` (one per kill,
-    :func:`survivor_exits`)."""
+    its result plus ``cost`` (:func:`fault_cost`) and ``survivor_exit_s``
+    (:func:`survivor_exits`)."""
     out = loader_run(
         work,
         plan.max_steps,

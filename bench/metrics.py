@@ -561,8 +561,10 @@ def loader_metrics(job: dict[str, Any], **extra: Any) -> list[Metric]:
             value=max(exits) if exits else math.nan,
             detail={
                 "value_is": "the largest, over the kills, of torchrun's SIGTERM to the "
-                "surviving worker -> its report that the group exited",
-                "per_kill_s": [_r(x) for x in exits],
+                "surviving worker -> its report that the group exited (kills after which "
+                "the survivor had already left on its own are not in it: torchrun then "
+                "signals nobody)",
+                "each_s": [_r(x) for x in exits],
                 **common,
             },
         ),

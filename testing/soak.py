@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -52,6 +53,9 @@ class SoakRun:
     outcome: str = "not run"
     wall_s: float = 0.0
     restarts: int = 0
+    max_survivor_wait_s: float | None = None
+    """The longest, over the kills, from a kill to the other agent stopping its worker or
+    seeing it fail (its torchrun log)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -100,8 +104,11 @@ def soak_once(
     try:
         _add_agents(job, memory_root)
         killed: set[int] = set()
+        kill_times: list[tuple[float, str]] = []
         last_kill = 0.0
-        for _ in range(kills):
+        for _ in range(3 * kills):  # a victim may be gone already (its peer was killed)
+            if run.kills_at_startup + run.kills_training == kills:
+                break
             at_startup = rng.random() < 0.4
             victim = rng.choice(job.agents)
             pid = _next_worker(job, victim, killed, started)
@@ -116,6 +123,7 @@ def soak_once(
             if _kill(pid):
                 killed.add(pid)
                 last_kill = time.time()
+                kill_times.append((last_kill, victim.name))
                 if at_startup:
                     run.kills_at_startup += 1
                 else:
@@ -124,6 +132,8 @@ def soak_once(
         run.wall_s = round(time.monotonic() - started, 1)
         rows = job.metrics()
         run.restarts = max((r["restart_count"] for r in rows), default=0)
+        waits = survivor_waits(job, kill_times)
+        run.max_survivor_wait_s = round(max(waits), 2) if waits else None
         run.outcome = _check(job, codes, rows, ref)
     except Exception as exc:  # a hang or a harness error is this run's outcome
         run.wall_s = round(time.monotonic() - started, 1)
@@ -133,6 +143,28 @@ def soak_once(
         if memory_root:
             shutil.rmtree(memory_root, ignore_errors=True)
     return run
+
+
+def survivor_waits(job: ElasticJob, kills: list[tuple[float, str]]) -> list[float]:
+    """Per kill (time, victim agent): seconds until the other agent stopped its worker
+    ("closing signal SIGTERM") or saw it fail ("failed (exitcode"), whichever came first
+    (infinity when it did neither)."""
+    from bench.elastic_runs import torch_marks
+
+    year = time.localtime().tm_year
+    released = {
+        a.name: sorted(
+            torch_marks([a.log()], year, "closing signal SIGTERM")
+            + torch_marks([a.log()], year, "failed (exitcode")
+        )
+        for a in job.agents
+    }
+    out = []
+    for when, victim in kills:
+        other = next(a.name for a in job.agents if a.name != victim)
+        after = [t for t in released[other] if t >= when - 0.5]
+        out.append(after[0] - when if after else math.inf)
+    return out
 
 
 def _next_worker(job: ElasticJob, agent, killed: set[int], started: float) -> int | None:

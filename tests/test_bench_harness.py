@@ -794,6 +794,6 @@ def test_loader_metrics_are_the_jobs_cost_and_its_slowest_survivor():
     assert (cost.name, cost.value) == ("loader_fault_cost_s", job["cost"]["fault_cost_s"])
     assert not cost.ok  # (14.5 + 5.75) / 2 s per kill
     assert (exits.name, exits.value, exits.ok) == ("loader_survivor_exit_s", 0.4, True)
-    assert exits.detail["per_kill_s"] == [0.02, 0.4]
+    assert exits.detail["each_s"] == [0.02, 0.4]
     job["survivor_exit_s"] = [0.02, 5.1]
     assert not m.loader_metrics(job)[1].ok

@@ -152,8 +152,10 @@ def test_single_node_on_the_ft_backend_restarts_without_the_store_variable(root,
 def sigterm_to_exit_s(log: str) -> float:
     """Seconds from torchrun's SIGTERM to the surviving worker ("Sending process ...
     closing signal SIGTERM") to its report of the group's failure, which it writes once
-    every worker has exited (the first kill of the run)."""
-    return survivor_exits([log], datetime.date.today().year)[0]
+    every worker has exited (the first kill of the run); 0 when the survivor had left on
+    its own before torchrun signalled anyone (its collective with the dead rank failed)."""
+    exits = survivor_exits([log], datetime.date.today().year)
+    return exits[0] if exits else 0.0
 
 
 @pytest.mark.timeout(300)

@@ -206,8 +206,9 @@ def test_example_with_loader_workers_commits_the_emergency_checkpoint_and_resume
 DDP_CASES = [
     # start method, persistent workers, who gets SIGTERM, rendezvous backend
     ("fork", False, "torchrun", "c10d"),
-    ("spawn", True, "groups", "ft"),
-    ("spawn", False, "worker", "c10d"),
+    ("spawn", True, "torchrun", "ft"),
+    ("spawn", False, "groups", "c10d"),
+    ("fork", True, "worker", "ft"),
 ]
 
 

@@ -21,6 +21,7 @@ from test_elastic_e2e import assert_bitwise_like, assert_completed, run_two_agen
 
 from elastic.heartbeat import DEFAULT_PEER_TIMEOUT_S, STARTUP_GRACE_S
 from testing.local_cluster import BACKENDS, ElasticJob
+from testing.soak import survivor_waits
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -33,42 +34,21 @@ STARTUP_FAULTS = ";".join([
 ])  # fmt: skip
 BOUND_S = DEFAULT_PEER_TIMEOUT_S + STARTUP_GRACE_S
 """The longest a survivor may wait for a rank that died during the start-up."""
-_TORCH_LINE = re.compile(r"^[IWE](\d{4}) (\d\d:\d\d:\d\d\.\d{6}) \d+ .*\] (.*)$")
 _INJECTED = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank \d+\] .*injecting fault (\S+)"
 )
 
 
-def _torch_time(line: str, year: int) -> tuple[float, str] | None:
-    m = _TORCH_LINE.match(line)
-    if not m:
-        return None
-    stamp = datetime.datetime.strptime(f"{year}{m.group(1)} {m.group(2)}", "%Y%m%d %H:%M:%S.%f")
-    return stamp.timestamp(), m.group(3)
-
-
-def survivor_waits(job: ElasticJob) -> list[tuple[str, float]]:
-    """For each fault fired during a start-up: (its spec, seconds from the kill to the other
-    agent stopping its worker or seeing it fail, whichever came first)."""
-    year = datetime.date.today().year
-    kills: list[tuple[float, str, str]] = []  # (time, spec, agent of the victim)
-    released: dict[str, list[float]] = {a.name: [] for a in job.agents}
+def startup_kills(job: ElasticJob) -> list[tuple[float, str, str]]:
+    """(time, spec, agent of the victim) of each fault fired, from the workers' log lines."""
+    kills = []
     for agent in job.agents:
         for line in agent.log().splitlines():
             m = _INJECTED.match(line)
             if m:
                 when = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
                 kills.append((when, m.group(2), agent.name))
-                continue
-            mark = _torch_time(line, year)
-            if mark and ("closing signal SIGTERM" in mark[1] or "failed (exitcode" in mark[1]):
-                released[agent.name].append(mark[0])
-    out = []
-    for when, spec, victim in sorted(kills):
-        other = next(a.name for a in job.agents if a.name != victim)
-        after = [t for t in released[other] if t >= when - 0.5]
-        out.append((spec, (min(after) - when) if after else float("inf")))
-    return out
+    return sorted(kills)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -87,7 +67,9 @@ def test_kills_during_the_startup_end_the_survivors_within_the_bound_and_the_job
     try:
         run_two_agents(job, 240)
         assert_completed(job)
-        waits = survivor_waits(job)
+        kills = startup_kills(job)
+        waits = list(zip([spec for _, spec, _ in kills],
+                         survivor_waits(job, [(t, victim) for t, _, victim in kills])))  # fmt: skip
         print(
             f"\n[{backend}] kill -> survivor released (s): {[(s, round(w, 2)) for s, w in waits]}"
         )
