@@ -161,15 +161,8 @@ def loader_fault_cost_run(
     """The loader-worker job of ``plan`` (:func:`bench.elastic_runs.loader_run`):
     its result plus ``cost`` (:func:`fault_cost`) and ``survivor_exit_s``
     (:func:`survivor_exits`)."""
-    out = loader_run(
-        work,
-        plan.max_steps,
-        list(plan.kill_steps),
-        plan.durable_every,
-        timeout_s,
-        warm=warm,
-        rdzv_backend=rdzv_backend,
-    )
+    steps = (plan.max_steps, list(plan.kill_steps), plan.durable_every)
+    out = loader_run(work, *steps, timeout_s, warm=warm, rdzv_backend=rdzv_backend)
     out["cost"] = fault_cost(out["metrics"], out["events"], out["logs"], kills=len(plan.kill_steps))
     year = datetime.datetime.fromtimestamp(float(out["metrics"][0]["time"])).year
     out["survivor_exit_s"] = survivor_exits(out["logs"], year)
