@@ -31,7 +31,7 @@ from bench.elastic_runs import (
     warm_available,
 )
 from bench.export import EXPORT_MIN_BYTES, export_metrics, export_rounds
-from bench.fault_cost import KillPlan, fault_cost_run
+from bench.fault_cost import LOADER_PLAN, KillPlan, fault_cost_run, loader_fault_cost_run
 from bench.fsdp_state import layer_width
 from bench.gcs import gcs_rounds
 from bench.report import markdown_table, write_json
@@ -110,7 +110,8 @@ FULL = Mode(
     rendezvous_n=rdzv.FULL_N,
 )
 WARMUP_STEPS = 5
-FULL_ONLY = ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss")
+FULL_ONLY = ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss",
+             "loader_fault_cost_s", "loader_survivor_exit_s")  # fmt: skip
 """Metrics measured in full mode only (torchrun jobs of a minute or more each)."""
 KILL_PLAN = KillPlan()
 """The jobs of restart_overhead, fault_cost_s and ettr (bench/fault_cost.py) when no
@@ -435,6 +436,22 @@ def _elastic(work: str, mode: Mode) -> list[m.Metric]:
     ]
 
 
+def _loader(work: str, mode: Mode) -> list[m.Metric]:
+    """loader_fault_cost_s, loader_survivor_exit_s: the project's example with two
+    ``DataLoader`` worker processes per rank, one agent of two workers, rank 1 killed three
+    times (bench/fault_cost.py, :data:`~bench.fault_cost.LOADER_PLAN`)."""
+    if not mode.elastic_jobs:
+        return _not_full(("loader_fault_cost_s", "loader_survivor_exit_s"))
+    warm = warm_available()
+    plan = LOADER_PLAN
+    _progress(
+        f"elastic: loader-worker job, {'warmstart' if warm else 'plain'} launcher, rdzv "
+        f"{OURS_RDZV}, kills before {list(plan.kill_steps)} of {plan.max_steps} steps"
+    )
+    job = loader_fault_cost_run(work, plan, mode.timeout_s, warm=warm, rdzv_backend=OURS_RDZV)
+    return m.loader_metrics(job, **plan.settings(), kills_of="rank 1 (TRAINER_FAULTS)")
+
+
 def _silent(work: str, mode: Mode) -> list[m.Metric]:
     if mode.silent_runs == 0:
         return _not_full(("silent_node_loss",))
@@ -546,6 +563,7 @@ def tasks(work: str, mode: Mode) -> list[tuple[str, str, Callable[[], list[m.Met
         ("memory", "memory tier", lambda: _memory(own("memory"), mode)),
         ("elastic", "kill jobs", lambda: _elastic(work, mode)),
         ("elastic", "silent node jobs", lambda: _silent(work, mode)),
+        ("elastic", "loader-worker job", lambda: _loader(work, mode)),
         ("rendezvous", "rendezvous simulation", lambda: _rendezvous(mode)),
         ("export", "export rounds", lambda: _export(own("export"), mode)),
     ]

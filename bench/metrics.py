@@ -27,6 +27,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     "fault_cost_s": (2.0, "<="),
     "ettr": (0.92, ">="),
     "silent_node_loss": (8.0, "<="),
+    "loader_fault_cost_s": (1.5, "<="),
+    "loader_survivor_exit_s": (0.5, "<="),
     "rendezvous_vs_c10d": (0.33, "<="),
     "export_memory": (2.0, "<="),
     "export_vs_read": (0.8, ">="),
@@ -46,7 +48,14 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "overhead": ("trainer_overhead",),
     "gcs": ("gcs_save_vs_pipe", "gcs_load_vs_cat"),
     "memory": ("memory_tier_stall", "peer_restore_vs_disk"),
-    "elastic": ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss"),
+    "elastic": (
+        "restart_overhead",
+        "fault_cost_s",
+        "ettr",
+        "silent_node_loss",
+        "loader_fault_cost_s",
+        "loader_survivor_exit_s",
+    ),
     "rendezvous": ("rendezvous_vs_c10d",),
     "export": ("export_memory", "export_vs_read"),
 }
@@ -511,6 +520,55 @@ def fault_cost_metric(ours: dict[str, Any], base: dict[str, Any], **extra: Any) 
             **extra,
         },
     )
+
+
+def loader_metrics(job: dict[str, Any], **extra: Any) -> list[Metric]:
+    """loader_fault_cost_s and loader_survivor_exit_s of the loader-worker job
+    (:func:`bench.fault_cost.loader_fault_cost_run`): seconds lost per kill, as
+    ``fault_cost_s`` counts them, and the slowest survivor's exit after torchrun's SIGTERM
+    (the largest over the kills; each one in detail)."""
+    from bench.fault_cost import phase_medians
+
+    cost = job["cost"]
+    exits = [float(x) for x in job["survivor_exit_s"]]
+    common = {
+        "num_workers": job["num_workers"],
+        "launcher": job["launcher"],
+        "rdzv_backend": job["rdzv_backend"],
+        "job_wall_s": _r(job["job_wall_s"]),
+        **extra,
+    }
+    return [
+        Metric(
+            name="loader_fault_cost_s",
+            value=cost["fault_cost_s"],
+            detail={
+                "value_is": "(downtime + re-run step time) / kills of the loader-worker job, "
+                "trainer.report.summarize totals",
+                "fault_cost_with_first_step_s": _r(cost["fault_cost_with_first_step_s"]),
+                "kills": cost["kills"],
+                "downtime_s": _r(cost["downtime_s"]),
+                "rerun_time_s": _r(cost["rerun_time_s"]),
+                "rerun_steps": cost["rerun_steps"],
+                "step_time_median_s": _r(cost["step_time_median_s"]),
+                "median_per_kill_s": _rounded(phase_medians(cost["per_kill"])),
+                "per_kill": _rounded(cost["per_kill"]),
+                **common,
+            },
+        ),
+        Metric(
+            name="loader_survivor_exit_s",
+            value=max(exits) if exits else math.nan,
+            detail={
+                "value_is": "the largest, over the kills, of torchrun's SIGTERM to the "
+                "surviving worker -> its report that the group exited (kills after which "
+                "the survivor had already left on its own are not in it: torchrun then "
+                "signals nobody)",
+                "each_s": [_r(x) for x in exits],
+                **common,
+            },
+        ),
+    ]
 
 
 def memory_metrics(raw: dict[str, dict[str, Any]]) -> list[Metric]:

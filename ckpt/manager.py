@@ -109,7 +109,10 @@ class CheckpointManager:
     WARNING here: the schedule (its warm-up) would start over after every resume.
 
     Construct it on every rank at the same point: with a process group it creates the
-    checkpoint gloo group, which is a collective.
+    checkpoint gloo group, which is a collective; ``setup_timeout_s`` bounds how long a
+    rank waits there for the others (None: ``CKPT_COLLECTIVE_TIMEOUT_S``, 600 s, which
+    still bounds the group's collectives afterwards). A job with a bound for a dead peer
+    passes it: the trainer gives its peer timeout + 10 s.
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class CheckpointManager:
         memory_dir: str | None = None,
         max_failures: int = 3,
         param_groups: str = "checkpoint",
+        setup_timeout_s: float | None = None,
     ) -> None:
         if not isinstance(root, str) or not root:
             raise ValueError(f"root must be a non-empty str URL or path, got {root!r}")
@@ -159,7 +163,7 @@ class CheckpointManager:
         base = storage_options if storage_options is not None else StorageOptions.from_env()
         self.storage_options = _with_faults(base, self.faults)
         if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = _dist.new_checkpoint_group()
+            process_group = _dist.new_checkpoint_group(setup_timeout_s=setup_timeout_s)
         self._group = process_group
         coll = _dist.Collective(process_group)
         self.rank, self.world_size = coll.rank, coll.world_size

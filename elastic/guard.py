@@ -58,8 +58,7 @@ from elastic.heartbeat import (
     DEFAULT_PEER_TIMEOUT_S,
     PeerHeartbeat,
     SilentVerdict,
-    namespace,
-    store_address,
+    group_heartbeat,
 )
 from elastic.identity import RunIdentity, job_restart_count, restart_setup_problem
 from elastic.preemption import PreemptionHandler, agree_on_preemption
@@ -161,6 +160,9 @@ class RunGuard:
         stop_if_repeated(identity)  # this job's deterministic error repeated: end at once
         self._notes = note_for(identity)
         self.plan = FaultPlan.from_args_and_env(faults, env)
+        from elastic.distributed import prepare_child_processes  # imports torch
+
+        prepare_child_processes()  # loader workers started from now on outlive a SIGTERM
         self.saver = saver
         self._on_event = on_event
         self.process_group = process_group
@@ -262,33 +264,30 @@ class RunGuard:
             )  # fmt: skip
 
     def _start_heartbeat(self) -> PeerHeartbeat | None:
-        """The peer failure detector, when a process group of 2+ ranks with a TCP store exists."""
-        if self.peer_timeout_s <= 0:
-            return None
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch is a dependency
-            return None
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return None
-        address = store_address(self._env)
-        if address is None:
-            logger.info(
-                "rank %d: peer heartbeat off: the process group's store is not a TCP store",
-                self.rank,
+        """The peer failure detector, when a process group of 2+ ranks with a TCP store
+        exists: the one ``elastic.init_distributed`` started for the start-up, taken over
+        with this guard's settings, else a new one."""
+        from elastic.distributed import take_startup_detector  # imports torch
+
+        startup = take_startup_detector(self.run_id, self.attempt)
+        if startup is not None:
+            if self.peer_timeout_s <= 0:
+                startup.stop()  # off for this run: the start-up detector leaves too
+                return None
+            startup.configure(
+                interval_s=self.heartbeat_s,
+                timeout_s=self.peer_timeout_s,
+                on_silent=self._on_peer_silent,
             )
-            return None
-        world = dist.get_world_size()
-        heartbeat = PeerHeartbeat(
-            rank=dist.get_rank(),
-            world_size=world,
-            address=address,
-            key_prefix=namespace(self.run_id, self.attempt, world),
+            return startup
+        return group_heartbeat(
+            run_id=self.run_id,
+            attempt=self.attempt,
             interval_s=self.heartbeat_s,
             timeout_s=self.peer_timeout_s,
             on_silent=self._on_peer_silent,
+            env=self._env,
         )
-        return heartbeat.start()
 
     def _on_peer_silent(self, verdict: SilentVerdict) -> None:
         self.event(ev.PEER_SILENT, self._step, every_rank=True, rank=self.rank, **verdict.fields())

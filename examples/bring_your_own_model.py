@@ -34,6 +34,7 @@ import argparse
 import logging
 import os
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -249,7 +250,11 @@ if __name__ == "__main__":
         code = main()
     except SystemExit as exc:  # elastic.Preempted (143), argparse (0 for --help, 2)
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    except Exception:  # e.g. a peer died: its collective failed here; torchrun restarts us
+        traceback.print_exc()
+        code = 1
     # Everything durable is done (checkpoints committed, process group destroyed): leave
     # without interpreter teardown, where torch's gloo threads occasionally abort a finished
-    # rank under torchrun ("terminate called without an active exception", SIGABRT).
+    # rank under torchrun ("terminate called without an active exception", SIGABRT), and
+    # which took seconds after a peer's death on a loaded machine.
     elastic.exit_now(code)

@@ -64,7 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     except BatchLayoutError as exc:
         logger.error("rank %d: %s", identity.rank, exc)
         return 1
-    ctx = init_distributed(identity, timeout_s=cfg.run.collective_timeout_s)
+    ctx = init_distributed(
+        identity,
+        timeout_s=cfg.run.collective_timeout_s,
+        peer_timeout_s=cfg.run.peer_timeout_s,
+        heartbeat_s=cfg.run.heartbeat_s,
+    )
     try:
         train(cfg, ctx)
     except USER_ERRORS as exc:

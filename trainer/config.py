@@ -214,7 +214,8 @@ class RunConfig:
     """Timeout of training collectives: a dead or frozen peer becomes an error (and a
     restart) after this long instead of gloo's 30-minute default."""
     faults: list[str] = field(default_factory=list)
-    """Fault injection specs (``KIND:step=S[:rank=R][:attempt=A]``), see ``--fault``."""
+    """Fault injection specs (``KIND:step=S[:rank=R][:attempt=A]``, or ``at=POINT`` for a
+    point of the start-up), see ``--fault``."""
 
     def __post_init__(self) -> None:
         _require(self.seed >= 0, "run.seed", self.seed, "must be >= 0")

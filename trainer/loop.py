@@ -28,7 +28,9 @@ from torch.distributed.tensor import DTensor
 
 from ckpt import CheckpointManager, RetentionPolicy
 from elastic.events import RunRecorder
+from elastic.faults import fire_at_point
 from elastic.guard import RunGuard
+from elastic.heartbeat import first_beat_bound_s
 from elastic.sampler import ElasticSampler
 from runcore import events as ev
 from trainer.build import build_model, build_optimizer
@@ -222,6 +224,9 @@ def build_checkpoints(
         memory_every=cfg.checkpoint.memory_every,
         max_failures=cfg.checkpoint.max_failures,
         retention=retention_policy(cfg),
+        # A rank that died during the start-up ends the others' wait for the group within
+        # the peer failure detector's bound (peer timeout + its grace for a first beat).
+        setup_timeout_s=first_beat_bound_s(cfg.run.peer_timeout_s),
     )
     return manager
 
@@ -273,6 +278,14 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
             "rank 0: world_size=%d restart_count=%d global_batch=%d micro_batch=%d grad_accum=%d samples=%d",
             ctx.world_size, attempt, layout.global_batch, layout.micro, layout.accum, len(run.samples),
         )  # fmt: skip
+
+    def fault_point(point: str) -> None:  # faults planned at a start-up point (tests, drills)
+        def record(spec: Any) -> None:
+            recorder.event(ev.FAULT, 0, every_rank=True, spec=str(spec), rank=ctx.rank)
+
+        fire_at_point(point, ctx.rank, attempt, cfg.run.faults, on_fire=record)
+
+    fault_point("checkpoint_manager")
     manager = build_checkpoints(cfg, ctx, run, progress, attempt, recorder)
     guard = RunGuard(
         saver=manager,
@@ -287,6 +300,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
     )
     with guard:  # closes the manager on exit (the drain stays guarded)
         if manager is not None:
+            fault_point("resume")
             with guard.slow_phase():
                 resume(manager, run, cfg, ctx)
         progress.world_sizes.append(ctx.world_size)
