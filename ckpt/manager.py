@@ -206,7 +206,11 @@ class CheckpointManager:
         path under a file, a read-only or full disk, missing permissions or a missing
         bucket raise :class:`~ckpt.errors.CheckpointDirError` here, before any training.
         """
-        _root_check.check_root(self.root, self.storage_options, self._group)
+        self._check_root()
+
+    def _check_root(self) -> list[tuple[str, bool]] | None:
+        """:meth:`check_root`; the coordinator gets the root's listing it made (else None)."""
+        return _root_check.check_root(self.root, self.storage_options, self._group)
 
     # -- resume --------------------------------------------------------------------------
 
@@ -226,9 +230,10 @@ class CheckpointManager:
         One path for every tier (:mod:`ckpt.tiers`): the memory tier's snapshots newer
         than the durable head first (when it is on), then the durable root.
         """
-        self.check_root()
-        # One listing of the root for the whole resume (the coordinator's; load reuses it).
-        catalog = Catalog(Storage(self.root, self.storage_options))
+        entries = self._check_root()
+        # One listing of the root for the whole resume: the root check's, on the
+        # coordinator (the only rank that reads the catalog); load reuses it.
+        catalog = Catalog(Storage(self.root, self.storage_options), entries)
         walk = ResumeWalk(
             self.root,
             app=self.app,
