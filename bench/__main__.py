@@ -1,5 +1,6 @@
-"""``python -m bench [--quick] [--only GROUP,...] [--json OUT] [--dir DIR]``: measure, print a
-table of every metric (those not measured as NaN, with the reason), write JSON."""
+"""``python -m bench [--quick] [--only GROUP,...] [--json OUT] [--dir DIR] [--plot DIR]``:
+measure, print a table of every metric (those not measured as NaN, with the reason), write
+JSON. ``python -m bench curves ...`` is ``python -m bench --only curves ...``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bench import curves as cost_curves
 from bench import memory_tier
 from bench import metrics as m
 from bench import rendezvous as rdzv
@@ -77,6 +79,8 @@ class Mode:
     """The mode of :mod:`bench.memory_tier` (memory_tier_stall, peer_restore_vs_disk)."""
     rendezvous_n: tuple[int, ...]
     """Simulated agent counts of rendezvous_vs_c10d (:mod:`bench.rendezvous`)."""
+    curves: cost_curves.CurvesMode
+    """The sizes, counts and rounds of the ``curves`` group (:mod:`bench.curves`)."""
 
 
 QUICK = Mode(
@@ -93,6 +97,7 @@ QUICK = Mode(
     async_rounds=3,
     memory=memory_tier.QUICK,
     rendezvous_n=rdzv.QUICK_N,
+    curves=cost_curves.QUICK,
 )
 FULL = Mode(
     name="full",
@@ -108,6 +113,7 @@ FULL = Mode(
     async_rounds=3,
     memory=memory_tier.FULL,
     rendezvous_n=rdzv.FULL_N,
+    curves=cost_curves.FULL,
 )
 WARMUP_STEPS = 5
 FULL_ONLY = ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss",
@@ -164,6 +170,7 @@ def parse_only(text: str) -> tuple[str, ...]:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     groups = "; ".join(f"{g}: {', '.join(names)}" for g, names in m.GROUPS.items())
     q, f = QUICK.memory, FULL.memory
+    cq = QUICK.curves
     p = argparse.ArgumentParser(
         prog="python -m bench",
         description=__doc__,
@@ -187,7 +194,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         f"({q.stall_rounds} instead of {f.stall_rounds} stall rounds of {q.stall_steps} "
         f"instead of {f.stall_steps} steps, {q.restore_rounds} instead of {f.restore_rounds} "
         f"restore rounds of a {q.restore_bytes >> 20} MB instead of {f.restore_bytes >> 20} MB "
-        f"state); {', '.join(FULL_ONLY[:-1])} and {FULL_ONLY[-1]} are not measured "
+        f"state), the curves group's quick mode (bench.curves.QUICK: states of "
+        f"{' and '.join(str(b >> 20) for b in cq.bytes_sizes)} MB, "
+        f"{' and '.join(map(str, cq.tensor_counts))} tensors, "
+        f"{' and '.join(map(str, cq.ranks))} ranks, roots of "
+        f"{' and '.join(map(str, cq.root_counts))} checkpoints, no restores or kill "
+        f"jobs); {', '.join(FULL_ONLY[:-1])} and {FULL_ONLY[-1]} are not measured "
         "(full mode only)",
     )
     p.add_argument(
@@ -206,6 +218,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--dir", default=None, help="parent of the fresh temp dir (default: the system temp dir)"
     )
+    p.add_argument(
+        "--plot",
+        metavar="DIR",
+        default=None,
+        help="curves group: write one PNG per cost curve (log-log, ours and DCP, fitted "
+        "growth exponents) and curves.json (every series and raw sample) into DIR. "
+        "`python -m bench curves [options]` runs the curves group alone "
+        "(= --only curves)",
+    )
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "curves":
+        argv = ["--only", "curves", *argv[1:]]
     return p.parse_args(argv)
 
 
@@ -343,6 +368,11 @@ def _export(work: str, mode: Mode) -> list[m.Metric]:
     width = layer_width(max(mode.total_bytes, EXPORT_MIN_BYTES))
     raw = export_rounds(work, width, mode.spawn_rounds, mode.timeout_s)
     return export_metrics(raw)
+
+
+def _curves(work: str, mode: Mode, plot_dir: str | None) -> list[m.Metric]:
+    """The cost curves (bench/curves.py), their plots and JSON in ``plot_dir`` when given."""
+    return cost_curves.run(work, mode.curves, plot_dir, _progress)
 
 
 def _not_full(names: tuple[str, ...]) -> list[m.Metric]:
@@ -545,8 +575,11 @@ def task_done_line(
     )
 
 
-def tasks(work: str, mode: Mode) -> list[tuple[str, str, Callable[[], list[m.Metric]]]]:
-    """``(group, what, run)`` in run order; each task that needs one gets its own directory."""
+def tasks(
+    work: str, mode: Mode, plot_dir: str | None = None
+) -> list[tuple[str, str, Callable[[], list[m.Metric]]]]:
+    """``(group, what, run)`` in run order; each task that needs one gets its own directory.
+    ``plot_dir``: where the curves group writes its plots (None: no plots)."""
 
     def own(name: str) -> str:
         path = os.path.join(work, name)
@@ -566,6 +599,7 @@ def tasks(work: str, mode: Mode) -> list[tuple[str, str, Callable[[], list[m.Met
         ("elastic", "loader-worker job", lambda: _loader(work, mode)),
         ("rendezvous", "rendezvous simulation", lambda: _rendezvous(mode)),
         ("export", "export rounds", lambda: _export(own("export"), mode)),
+        ("curves", "cost curves", lambda: _curves(own("curves"), mode, plot_dir)),
     ]
 
 
@@ -586,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     _RUN_STARTED[:] = [started]
     produced: list[m.Metric] = []
     errors: dict[str, list[str]] = {}
-    todo = [t for t in tasks(work, mode) if t[0] in selected]
+    todo = [t for t in tasks(work, mode, args.plot) if t[0] in selected]
     _progress(
         f"mode={mode.name}, {len(todo)} task(s) in group(s) {','.join(selected)}; work dir {work}",
         elapsed=False,

@@ -104,9 +104,11 @@ def elastic_run(
     warm: bool = False,
     memory_every: int = 0,
     rdzv_backend: str = "c10d",
+    trainer_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One 2-agent job whose agent 0's worker is killed before each of ``kill_steps``
     (:func:`fault_spec`); returns its rows, the events of every rank and the agent logs.
+    ``trainer_args`` go to the trainer after the job's own (``--set model.d_model=256``).
 
     Durable checkpoints (async) every ``ckpt_every`` steps; with ``memory_every`` > 0 the
     memory tier is on too (``checkpoint.memory_every``), each agent a node of its own
@@ -122,12 +124,12 @@ def elastic_run(
     ]  # fmt: skip
     if memory_every:
         args += ["--set", f"checkpoint.memory_every={memory_every}"]
-    module, trainer_args = launch_module(args, warm)
+    module, launch_args = launch_module([*args, *trainer_args], warm)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else work
     memory = os.path.join(shm, f"bench-elastic-{uuid.uuid4().hex[:8]}")
     job = ElasticJob(
         os.path.join(work, f"job_{time.monotonic_ns()}"),
-        trainer_args=trainer_args,
+        trainer_args=launch_args,
         module=module,
         max_restarts=len(kill_steps),
         env={"PYTHONPATH": worker_pythonpath()},

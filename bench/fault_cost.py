@@ -106,9 +106,10 @@ def fault_cost_run(
     memory: bool,
     warm: bool,
     rdzv_backend: str = "c10d",
+    trainer_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One job of ``plan`` (memory tier on or off); :func:`elastic_run`'s result plus
-    ``cost`` (:func:`fault_cost`) and ``tiers``."""
+    ``cost`` (:func:`fault_cost`) and ``tiers``. ``trainer_args``: see :func:`elastic_run`."""
     out = elastic_run(
         work,
         plan.max_steps,
@@ -118,6 +119,7 @@ def fault_cost_run(
         warm=warm,
         memory_every=plan.memory_every if memory else 0,
         rdzv_backend=rdzv_backend,
+        trainer_args=trainer_args,
     )
     out["cost"] = fault_cost(out["metrics"], out["events"], out["logs"], kills=len(plan.kill_steps))
     out["tiers"] = "memory + durable" if memory else "durable only"

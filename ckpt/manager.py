@@ -238,7 +238,11 @@ class CheckpointManager:
         path under a file, a read-only or full disk, missing permissions or a missing
         bucket raise :class:`~ckpt.errors.CheckpointDirError` here, before any training.
         """
-        _root_check.check_root(self.root, self.storage_options, self._group)
+        self._check_root()
+
+    def _check_root(self) -> list[tuple[str, bool]] | None:
+        """:meth:`check_root`; the coordinator gets the root's listing it made (else None)."""
+        return _root_check.check_root(self.root, self.storage_options, self._group)
 
     # -- resume --------------------------------------------------------------------------
 
@@ -264,7 +268,7 @@ class CheckpointManager:
         ``TORCHELASTIC_RUN_ID``, and a lower restart count; the job-wide restart count is
         one small collective) is loaded; the first attempt loads nothing.
         """
-        self.check_root()
+        entries = self._check_root()
         this_job = None
         if this_job_only:
             run_id, local_restarts = _env.run_identity()
@@ -272,8 +276,9 @@ class CheckpointManager:
             if restarts == 0:
                 return None
             this_job = (run_id, restarts)
-        # One listing of the root for the whole resume (the coordinator's; load reuses it).
-        catalog = Catalog(Storage(self.root, self.storage_options))
+        # One listing of the root for the whole resume: the root check's, on the
+        # coordinator (the only rank that reads the catalog); load reuses it.
+        catalog = Catalog(Storage(self.root, self.storage_options), entries)
         walk = ResumeWalk(
             self.root,
             app=self.app,

@@ -137,17 +137,26 @@ def probe_writable(storage: Storage) -> None:
         )
 
 
-def check_root(root: str, options: StorageOptions, group: Any = None) -> None:
+def check_root(
+    root: str, options: StorageOptions, group: Any = None
+) -> list[tuple[str, bool]] | None:
     """Fail early, on every rank together, when ``root`` cannot be used (collective).
 
-    First the coordinator refuses a root that is, or is inside, a checkpoint
-    (:func:`refuse_checkpoint_as_root`; nothing is created there). Then a local root
-    is created, any root is listed (bounded by the storage timeouts) and a probe is
-    written, read back and deleted (:func:`probe_writable`: by every rank for a local
-    root, which may be a per-node disk; by the coordinator for an object store).
+    First the coordinator lists the root and refuses one that is, or is inside, a
+    checkpoint (:func:`refuse_checkpoint_as_root`; nothing is created there). Then a
+    local root is created and a probe is written, read back and deleted
+    (:func:`probe_writable`: by every rank for a local root, which may be a per-node
+    disk; by the coordinator for an object store, where the other ranks check that the
+    bucket is reachable), every storage call bounded by the storage timeouts.
     Raises :class:`CheckpointDirError` naming the root and what to fix.
+
+    Returns the coordinator's listing of the root (``Storage.list_dir``; None on the
+    other ranks), so that a resume lists the root once: on a root of a thousand
+    checkpoints each listing costs as much as the rest of a tiny resume (bench
+    ``curves``, BENCHMARKS.md).
     """
     coll = _dist.Collective(group)
+    listing: list[list[tuple[str, bool]]] = []  # the coordinator's, when it could list
 
     def refuse() -> None:
         try:
@@ -156,6 +165,7 @@ def check_root(root: str, options: StorageOptions, group: Any = None) -> None:
         except Exception:  # unreachable: reported by check() below, with its cause
             return
         refuse_checkpoint_as_root(storage, entries)
+        listing.append(entries)
 
     coll.on_coordinator(f"checking that {root} is not a checkpoint", refuse)
 
@@ -165,7 +175,8 @@ def check_root(root: str, options: StorageOptions, group: Any = None) -> None:
             local = isinstance(storage.fs, LocalFileSystem)
             if local:
                 storage.fs.makedirs(storage.path(), exist_ok=True)
-            storage.list_dir()
+            if coll.is_coordinator and not listing:
+                listing.append(storage.list_dir())  # raises why refuse() could not list
             storage.check_reachable()  # a missing bucket lists as empty
             if local or coll.is_coordinator:
                 probe_writable(storage)
@@ -177,3 +188,4 @@ def check_root(root: str, options: StorageOptions, group: Any = None) -> None:
             ) from exc
 
     coll.on_every_rank(f"checking {root}", check)
+    return listing[0] if coll.is_coordinator and listing else None

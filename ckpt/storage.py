@@ -668,11 +668,23 @@ def _kind(mode: int) -> str:
     return LINK if stat.S_ISLNK(mode) else OTHER
 
 
+def _entry_kind(entry: os.DirEntry[str]) -> str:
+    """What a directory entry is, from the directory itself (``d_type``; a stat only where
+    the filesystem does not say), never following a link."""
+    if entry.is_symlink():
+        return LINK
+    if entry.is_dir(follow_symlinks=False):
+        return DIR
+    return FILE if entry.is_file(follow_symlinks=False) else OTHER
+
+
 def _local_entries(path: str) -> list[tuple[str, str]]:
-    """``(name, kind)`` of a local directory's entries, from ``lstat`` (links not followed)."""
+    """``(name, kind)`` of a local directory's entries, links not followed. The type comes
+    from the directory (``d_type``), not a stat per entry as fsspec's ``ls(detail=True)``
+    does, so a root of 1,000 checkpoints lists as fast as one of 10 (bench ``curves``)."""
     try:
         with os.scandir(path) as it:
-            return [(e.name, _kind(e.stat(follow_symlinks=False).st_mode)) for e in it]
+            return [(entry.name, _entry_kind(entry)) for entry in it]
     except (FileNotFoundError, NotADirectoryError):
         return []
 

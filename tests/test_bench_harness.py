@@ -48,6 +48,16 @@ SPEC = [
     ("export_vs_read", 0.8, ">="),
     ("gcs_load_vs_cat", 1.3, ">="),
     ("gcs_save_vs_pipe", 1.3, ">="),
+    ("curve_save_bytes_exp", 1.05, "<="),
+    ("curve_load_bytes_exp", 1.05, "<="),
+    ("curve_save_tensors_exp", 1.05, "<="),
+    ("curve_load_tensors_exp", 1.05, "<="),
+    ("curve_vs_dcp", 1.0, "<="),
+    ("curve_many_tensors_vs_dcp", 0.5, "<="),
+    ("curve_rank0_share_exp", 0.2, "<="),
+    ("curve_discovery_local", 2.0, "<="),
+    ("curve_discovery_gcs", 2.0, "<="),
+    ("curve_save_memory", 0.5, "<="),
 ]
 
 
@@ -72,7 +82,8 @@ def test_targets_table_is_the_issue_table_in_its_order():
 
 def test_groups_split_the_table_exactly_once():
     assert list(m.GROUPS) == [
-        "save", "load", "async", "overhead", "gcs", "memory", "elastic", "rendezvous", "export"
+        "save", "load", "async", "overhead", "gcs", "memory", "elastic", "rendezvous", "export",
+        "curves",
     ]  # fmt: skip
     grouped = [name for names in m.GROUPS.values() for name in names]
     assert sorted(grouped) == sorted(m.TARGETS)
@@ -115,8 +126,9 @@ def test_missing_is_nan_never_ok_and_says_why():
 
 
 def test_complete_orders_by_table_and_fills_the_rest():
+    last = list(m.TARGETS)[-1]
     produced = [
-        m.Metric(name="gcs_save_vs_pipe", value=0.9, detail={"x": 1}),
+        m.Metric(name=last, value=0.9, detail={"x": 1}),
         m.Metric(name="save_vs_dcp", value=1.3),
         m.Metric(name="save_vs_dcp", value=0.1),  # a second one is ignored
     ]
@@ -150,6 +162,15 @@ def test_only_option_default_and_error(capsys):
     err = capsys.readouterr().err
     assert "--only" in err and "'reshard'" in err
     assert "save, load, async, overhead, gcs, memory, elastic" in err
+
+
+def test_curves_subcommand_is_only_curves_with_the_other_options_kept():
+    args = _parse(["curves", "--quick", "--plot", "out", "--json", "x.json"])
+    assert args.only == ("curves",) and args.quick and args.plot == "out"
+    assert args.json == "x.json"
+    assert _parse(["--only", "curves"]).plot is None
+    with pytest.raises(SystemExit):
+        _parse(["curve"])  # a typo is not a group
 
 
 def test_why_missing():

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import io
 import os
 import pickle
@@ -284,18 +283,14 @@ class _ItemStream:
             crc = checksum.crc32c_extend(crc, view)
             length += view.nbytes
         if length >= _COMBINE_MIN_BYTES:
-            self.crc = checksum.crc32c_mulmod(_shift(length), self.crc) ^ crc
+            shift = checksum.crc32c_shift_operator(length)
+            self.crc = checksum.crc32c_mulmod(shift, self.crc) ^ crc
         else:
             for view in views:
                 self.crc = checksum.crc32c_extend(self.crc, view)
         self.chunks.append([self.size, length, encode_crc32c(crc)])
         self.crcs.append(crc)
         self.size += length
-
-
-@functools.lru_cache(maxsize=1024)
-def _shift(length: int) -> int:
-    return checksum.crc32c_shift_operator(length)
 
 
 def _local(data: Any) -> torch.Tensor:
