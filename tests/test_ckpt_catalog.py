@@ -185,11 +185,11 @@ def test_a_local_listing_reads_each_entry_s_kind_from_the_directory_without_a_st
     monkeypatch.setattr(os, "stat", lambda *a, **k: stats.append(a) or real_stat(*a, **k))
     storage = Storage(str(root))
     assert sorted(storage.list_dir()) == [
-        (".probe-a", False),
-        (".quarantined-x", True),
-        ("checkpoint_0000001", True),
-        ("checkpoint_0000002", True),
-        ("checkpoint_0000003", False),  # a link is not a directory, as before
+        (".probe-a", "file"),
+        (".quarantined-x", "directory"),
+        ("checkpoint_0000001", "directory"),
+        ("checkpoint_0000002", "directory"),
+        ("checkpoint_0000003", "link"),  # a link is not a directory, never followed
     ]
     assert stats == []
     assert storage.list_dir("missing") == []
