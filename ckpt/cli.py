@@ -265,13 +265,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    storage = Storage(args.url)
+    catalog = Catalog(Storage(args.url))  # one listing, each manifest read once
     verb = "would delete" if args.dry_run else "deleted"
     if args.keep_last is None:
-        return _gc_quarantined(storage, args, verb)
-    _gc_quarantined(storage, args, verb)
+        return _gc_quarantined(catalog, args, verb)
+    _gc_quarantined(catalog, args, verb)
     policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
-    plan = apply_retention(storage, policy, dry_run=args.dry_run)
+    plan = apply_retention(catalog.storage, policy, dry_run=args.dry_run, catalog=catalog)
     for step in plan.keep:
         print(f"keep          step {step:>10}  ({plan.reasons.get(step, '')})")
     for step in (*plan.delete, *plan.delete_partial):
@@ -290,13 +290,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _gc_quarantined(storage: Storage, args: argparse.Namespace, verb: str) -> int:
+def _gc_quarantined(catalog: Catalog, args: argparse.Namespace, verb: str) -> int:
     """Delete quarantined checkpoints (``--quarantined``), or say how many are kept.
 
     Only a directory whose QUARANTINED record names it (step and stamp) and whose files
     are all this library's is deleted (:mod:`ckpt.ownership`); others are said and kept.
     """
-    catalog = Catalog(storage)
+    storage = catalog.storage
     aside = [(q.dirname, q.step, q.reason) for q in catalog.quarantined()]
     aside += [(i.dirname, i.step, i.reason) for i in catalog if i.status == QUARANTINED]
     if not args.quarantined:

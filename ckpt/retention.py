@@ -36,7 +36,7 @@ from ckpt.layout import COMPLETE_NAME
 from ckpt.storage import Storage
 
 if TYPE_CHECKING:
-    from ckpt.discovery import CheckpointInfo
+    from ckpt.discovery import Catalog, CheckpointInfo
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ def apply_retention(
     dry_run: bool = False,
     run_id: str | None = None,
     said: set[str] | None = None,
+    catalog: Catalog | None = None,
 ) -> RetentionPlan:
     """List ``root``, plan with :func:`plan_retention` and delete (unless ``dry_run``).
 
@@ -128,10 +129,12 @@ def apply_retention(
     ``run_id``: the run pruning after its commit; a partial directory is deleted only
     when its records name this run (``None``, the ``gc`` CLI: any run's, when recorded).
     ``said``: URLs already reported as left alone (each is said at WARNING once).
+    ``catalog``: the root's listing when the caller already made one (``gc``).
     """
     from ckpt.discovery import PARTIAL, RENAMED, Catalog
 
-    catalog = Catalog(root if isinstance(root, Storage) else Storage(root))
+    if catalog is None:
+        catalog = Catalog(root if isinstance(root, Storage) else Storage(root))
     storage = catalog.storage
     infos = {info.step: info for info in catalog}
     # Quarantined directories are neither: kept for forensics until `ckpt gc --quarantined`.
