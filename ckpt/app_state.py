@@ -203,6 +203,19 @@ class AppState:
 
     # -- descriptions ------------------------------------------------------------------
 
+    def fill_parameters(self, value: float) -> list[str]:
+        """Set this rank's part of every floating parameter of the modules to ``value`` (a
+        fault drill: NaN); the parameters' names."""
+        filled = []
+        with torch.no_grad():
+            for key, module in self.modules.items():
+                for name, param in module.named_parameters():
+                    local = param.to_local() if isinstance(param, DTensor) else param
+                    if local.dtype.is_floating_point and local.numel():
+                        local.fill_(value)
+                        filled.append(f"{key}.{name}")
+        return filled
+
     def tensor_shapes(self) -> dict[str, dict[str, list[int]]]:
         """Global shape of every module tensor, by state key and DCP name (shape checks)."""
         return {key: names.canonical_shapes(module) for key, module in self.modules.items()}

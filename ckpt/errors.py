@@ -117,6 +117,27 @@ class CheckpointDirError(CheckpointError):
     """The checkpoint root cannot be created, listed or reached (bad URL, permissions, bucket)."""
 
 
+class NonFiniteStateError(SaveFailedError):
+    """A save found NaN or infinite values in floating tensors: it was not committed.
+
+    A diverged state must never become the newest checkpoint (retention would then delete
+    the last sound ones). ``keys`` maps each tensor's key to the ranks that held it.
+    """
+
+    def __init__(self, message: str, keys: dict[str, list[int]] | None = None) -> None:
+        super().__init__(message)
+        self.keys = dict(keys or {})
+
+
+class RootLeaseError(CheckpointDirError):
+    """Another job holds the root's owner lease: refused before any training (``ckpt.lease``)."""
+
+
+class RootChangedError(SaveFailedError):
+    """The root is no longer the one this job owns (deleted, replaced, unmounted, or its
+    lease taken over): a save refuses to write there (``ckpt.lease``)."""
+
+
 class CheckpointShapeError(StateMismatchError):
     """The newest checkpoint was written for objects of other shapes (another model)."""
 

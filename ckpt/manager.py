@@ -29,19 +29,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from ckpt import dist as _dist
 from ckpt import env as _env
+from ckpt import finite
 from ckpt import root_check as _root_check
 from ckpt.app_state import AppState
 from ckpt.capture import StateCapture
 from ckpt.discovery import Catalog
 from ckpt.errors import CheckpointError
 from ckpt.faults import FaultRegistry, parse_storage_faults
+from ckpt.lease import JobIdentity, RootLease, take_lease
 from ckpt.memory import MemorySnapshots, MemoryTier
 from ckpt.memory.snapshots import take_snapshot
 from ckpt.resume import ResumeInfo, ResumeWalk
@@ -108,6 +110,21 @@ class CheckpointManager:
     lr). An optimizer stepped by an LR scheduler that is not in ``state`` is said at
     WARNING here: the schedule (its warm-up) would start over after every resume.
 
+    Non-finite values: a save whose floating tensors hold a NaN or an infinity is not
+    committed (:class:`~ckpt.errors.NonFiniteStateError`, a failed save: the policy above
+    applies), nor is such a memory snapshot, so a diverged state never becomes the newest
+    checkpoint; ``allow_non_finite`` exempts keys that hold them on purpose (``True``, or
+    ``fnmatch`` patterns such as ``["model.*.mask"]``).
+
+    One job per root: the coordinator takes the root's owner lease in :meth:`check_root`
+    (so in :meth:`resume`; else at the first save), renews it in the background every
+    ``lease_ttl_s / 4`` and releases it at :meth:`close`. Another job's fresh lease is a
+    :class:`~ckpt.errors.RootLeaseError` before any training; an expired one is taken over
+    (WARNING). Before each save writes, the root must still be the one it leased (not
+    deleted, recreated or unmounted), else :class:`~ckpt.errors.RootChangedError`, a failed
+    save. ``lease_ttl_s`` (default ``CKPT_LEASE_TTL_S``, else 60; 0: no lease); which
+    launches count as one job: :mod:`ckpt.lease`.
+
     Construct it on every rank at the same point: with a process group it creates the
     checkpoint gloo group, which is a collective; ``setup_timeout_s`` bounds how long a
     rank waits there for the others (None: ``CKPT_COLLECTIVE_TIMEOUT_S``, 600 s, which
@@ -134,6 +151,8 @@ class CheckpointManager:
         max_failures: int = 3,
         param_groups: str = "checkpoint",
         setup_timeout_s: float | None = None,
+        allow_non_finite: bool | Sequence[str] = False,
+        lease_ttl_s: float | None = None,
     ) -> None:
         if not isinstance(root, str) or not root:
             raise ValueError(f"root must be a non-empty str URL or path, got {root!r}")
@@ -148,7 +167,13 @@ class CheckpointManager:
             raise ValueError(
                 f"param_groups must be one of {', '.join(PARAM_GROUPS)}, got {param_groups!r}"
             )
+        allow_non_finite = finite.check_allow(allow_non_finite)
         _env.validate()  # every CKPT_* variable now, not at the first save
+        ttl = _env.lease_ttl_s() if lease_ttl_s is None else float(lease_ttl_s)
+        if not (0 <= ttl <= 86400):
+            raise ValueError(
+                f"lease_ttl_s must be seconds in [0, 86400] (0: no lease), got {ttl!r}"
+            )
         self.root = root
         self.app = AppState.classify(state)
         self.param_groups = param_groups
@@ -174,11 +199,19 @@ class CheckpointManager:
                 memory_every,
                 memory_dir=memory_dir,
                 distributed=dist.is_available() and dist.is_initialized(),
+                allow_non_finite=allow_non_finite,
             )
             if memory_every
             else None
         )
         self.last_resume: ResumeInfo | None = None
+        self._leased = ttl > 0
+        self.lease = (
+            RootLease(Storage(root, self.storage_options), JobIdentity.from_env(), ttl)
+            if self._leased and self.rank == 0
+            else None
+        )
+        """The root's owner lease (the coordinator's; None on other ranks or with no lease)."""
         self._state = StateCapture(
             self.app,
             rank=self.rank,
@@ -197,6 +230,8 @@ class CheckpointManager:
             failures=SaveFailures(max_failures, rank=self.rank, root=root, emit=self._emit),
             sink=self._sink,
             rank=self.rank,
+            allow_non_finite=allow_non_finite,
+            root_guard=self.lease.check if self.lease is not None else None,
         )
         if self.rank == 0:
             logger.warning("rank 0: checkpoints under %s: %s", root, describe_retention(retention))
@@ -240,9 +275,14 @@ class CheckpointManager:
         """
         self._check_root()
 
-    def _check_root(self) -> list[tuple[str, bool]] | None:
+    def _check_root(self) -> list[tuple[str, str]] | None:
         """:meth:`check_root`; the coordinator gets the root's listing it made (else None)."""
-        return _root_check.check_root(self.root, self.storage_options, self._group)
+        entries = _root_check.check_root(self.root, self.storage_options, self._group)
+        if self._leased:
+            take_lease(self.lease, self._group, self.root)
+            if self.lease is not None:  # the saves of the jobs it took over are dead
+                self._saves.forget_runs(self.lease.took_over)
+        return entries
 
     # -- resume --------------------------------------------------------------------------
 
@@ -430,6 +470,11 @@ class CheckpointManager:
             return True
         return self.save(step, blocking=True, emergency=True) is not None
 
+    def inject_non_finite(self) -> list[str]:
+        """Fill this rank's part of every floating parameter of the state's models with NaN
+        (a divergence drill: ``elastic``'s ``nan`` fault); their names. Not a collective."""
+        return self.app.fill_parameters(float("nan"))
+
     def inject_storage_fault(self, spec: str) -> None:
         """Arm storage faults (``ckpt-storage:phase=..:error=..`` or ``PHASE:KIND``) for
         this manager's next storage calls; the fault grammar of ``elastic.FaultPlan``."""
@@ -455,6 +500,8 @@ class CheckpointManager:
             self._group = self._saves.group = None
             if self._memory is not None:
                 self._memory.close(self.last_committed_step)
+            if self.lease is not None:
+                self.lease.close()  # released: the next job on this root starts at once
 
     def __enter__(self) -> CheckpointManager:
         return self

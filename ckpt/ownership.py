@@ -14,6 +14,13 @@ and a save's clean-up of a dead attempt therefore delete a directory only when
 
 Anything else is left in place, and the caller says why at WARNING (:func:`say_left_alone`).
 Everything here only reads; the callers delete.
+
+Directly under a root, the library also keeps records that are not checkpoints: the owner
+lease (:mod:`ckpt.lease`; names ``OWNER``, ``OWNER.<generation>``, ``.OWNER.tmp-*``:
+:func:`ckpt.layout.is_lease_name`) and a root check's short-lived write probe
+(``.probe-*``). Retention and ``gc`` delete checkpoint directories only, so they never
+touch them, and discovery never takes them for checkpoints (they are not named
+``checkpoint_N``); the lease outlives every checkpoint of its root.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt import dist as _dist
-from ckpt import per_rank
+from ckpt import env, per_rank
 from ckpt.app_state import AppState, param_group_changes, shape_mismatch
 from ckpt.capture import MANAGER_META_KEY, StateCapture
 from ckpt.discovery import Catalog
@@ -60,6 +60,8 @@ class ResumeInfo:
     """The user metadata saved with the checkpoint (``metadata=`` at save time)."""
     tier: str = "durable"
     """``"durable"`` (the root) or ``"memory"`` (a memory-tier snapshot, ``memory_every``)."""
+    run_id: str = ""
+    """The run id that wrote the checkpoint (said at WARNING when it is not this run's)."""
 
 
 class ResumeWalk:
@@ -330,6 +332,7 @@ class ResumeWalk:
             duration_s=time.monotonic() - started,
             metadata=user_meta,
             tier=tier.name,
+            run_id=result.manifest.attempt.run_id,
         )
         if self.rank == 0:
             logger.warning(
@@ -337,6 +340,14 @@ class ResumeWalk:
                 loaded_step, url, tier.name, old_world, self.world_size,
                 "restored" if rng_restored else "re-derived", info.duration_s,
             )  # fmt: skip
+            this_run = env.run_identity()[0]
+            if info.run_id != this_run:
+                logger.warning(
+                    "rank 0: step %d was written by run %r, not by this run %r: this job "
+                    "continues another run's training (a relaunch under a new run id, a "
+                    "requeue, or a root shared by mistake: check --ckpt-dir)",
+                    loaded_step, info.run_id, this_run,
+                )  # fmt: skip
         extra = {"tier": tier.name} if self._memory_url is not None else {}
         self._emit(
             ev.RESUME,

@@ -5,7 +5,8 @@ newest is never deleted) and, permanently, every committed checkpoint whose step
 is a multiple of ``keep_every`` and every ``protect``-ed step (the one a run resumed
 from). Quarantined checkpoints (:mod:`ckpt.quarantine`) are neither committed nor
 partial: retention never touches them (``python -m ckpt gc --quarantined`` does). Partial directories older than the newest
-committed checkpoint belong to dead attempts and are deleted; newer partial
+committed checkpoint belong to dead attempts and are deleted (when their records name the
+pruning run, or a run whose owner lease it took over: ``dead_runs``); newer partial
 directories may be a save in flight and are kept.
 
 Deleting a committed checkpoint removes its COMPLETE marker first, so a deletion
@@ -54,6 +55,9 @@ class RetentionPolicy:
     protect: frozenset[int] = frozenset()
     """Committed steps never deleted whatever their age (a manager protects the checkpoint
     it resumed from)."""
+    dead_runs: frozenset[str] = frozenset()
+    """Run ids whose uncommitted directories are cleared like the pruning run's own: runs
+    whose owner lease that run took over (:mod:`ckpt.lease`), which can never commit."""
 
     def __post_init__(self) -> None:
         if (
@@ -152,7 +156,7 @@ def apply_retention(
     refused: dict[int, str] = {}
     for step in (*plan.delete, *plan.delete_partial):
         info = infos[step]
-        why = _not_ours(storage, info, run_id)
+        why = _not_ours(storage, info, run_id, policy.dead_runs)
         if why:
             refused[step] = why
             ownership.say_left_alone(said, info.url, f"retention left {info.url} in place: {why}")
@@ -170,7 +174,9 @@ def apply_retention(
     return replace(plan, refused=refused, set_aside={k: v for k, v in set_aside.items() if v})
 
 
-def _not_ours(storage: Storage, info: CheckpointInfo, run_id: str | None) -> str:
+def _not_ours(
+    storage: Storage, info: CheckpointInfo, run_id: str | None, dead_runs: frozenset[str]
+) -> str:
     """Why the directory of ``info`` must not be deleted; empty when it may be."""
     try:
         listing = storage.child(info.dirname).list_files()
@@ -188,7 +194,7 @@ def _not_ours(storage: Storage, info: CheckpointInfo, run_id: str | None) -> str
     owner = ownership.uncommitted_owner(storage, info.dirname)
     if owner is None:
         return "no record says which run wrote it (no ATTEMPT record, no manifest)"
-    if run_id is not None and owner != run_id:
+    if run_id is not None and owner != run_id and owner not in dead_runs:
         return (
             f"it belongs to run {owner!r}, not to this run {run_id!r} (it may be that job's "
             "save in flight); `python -m ckpt gc` removes it once that job is gone"

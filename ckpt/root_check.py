@@ -26,7 +26,13 @@ from fsspec.implementations.local import LocalFileSystem
 from ckpt import dist as _dist
 from ckpt.errors import CheckpointDirError, StorageError
 from ckpt.faults import FaultRegistry
-from ckpt.layout import COMPLETE_NAME, DCP_METADATA_NAME, MANIFEST_NAME, parse_checkpoint_dirname
+from ckpt.layout import (
+    COMPLETE_NAME,
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    PROBE_PREFIX,
+    parse_checkpoint_dirname,
+)
 from ckpt.storage import Storage, StorageOptions
 
 CHECKPOINT_FILES = (COMPLETE_NAME, MANIFEST_NAME, DCP_METADATA_NAME)
@@ -34,9 +40,6 @@ CHECKPOINT_FILES = (COMPLETE_NAME, MANIFEST_NAME, DCP_METADATA_NAME)
 
 ANCESTOR_LEVELS = 3
 """How many parents of the root are checked for being a checkpoint directory."""
-
-PROBE_PREFIX = ".probe-"
-"""Name prefix of the probe object (discovery ignores names that are not checkpoint dirs)."""
 
 
 def refuse_checkpoint_as_root(storage: Storage, entries: list[tuple[str, bool]]) -> None:

@@ -277,6 +277,17 @@ class Storage:
         sub._gcs, sub.faults = self._gcs, self.faults
         return sub
 
+    @property
+    def gcs_client(self) -> Any:
+        """The JSON API client of a ``gs://`` root (:class:`~ckpt.gcs_parts.GcsClient`), else
+        None: for the calls fsspec has no word for (generation preconditions)."""
+        return self._gcs.client if self._gcs is not None else None
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the root is a local (or locally mounted) filesystem path."""
+        return self._local
+
     # -- retry machinery --------------------------------------------------------------
 
     def _call(self, what: str, phase: str, fn: Callable[[], T]) -> T:

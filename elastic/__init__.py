@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from elastic.distributed import DistContext, close_distributed, init_distributed
     from elastic.errors import (
+        Diverged,
         InjectedFault,
         MicroBatchSplitError,
         Preempted,
@@ -43,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "parse_fault_spec": "elastic.faults",
     "EmergencySaver": "elastic.guard",
     "Preempted": "elastic.errors",
+    "Diverged": "elastic.errors",
     "RunGuard": "elastic.guard",
     "PEER_SILENT_EXIT_CODE": "elastic.heartbeat",
     "ElasticSampler": "elastic.sampler",
@@ -61,6 +63,7 @@ module (``elastic.watchdog.Watchdog``, ``elastic.identity.RunIdentity``, ...).""
 __all__ = [
     "PEER_SILENT_EXIT_CODE",
     "DistContext",
+    "Diverged",
     "ElasticSampler",
     "EmergencySaver",
     "FaultPlan",

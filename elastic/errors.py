@@ -11,6 +11,9 @@
 - :class:`RepeatedErrorStop`: a job whose deterministic error repeated ends its remaining
   attempts at start-up (``elastic.repeats``).
 
+- :class:`Diverged`: the loss was not finite and the divergence policy stops the run; a
+  ``SystemExit`` with code :data:`DIVERGED_EXIT_CODE`.
+
 ``MicroBatchSplitError`` and ``SamplerStateError`` are deterministic
 (``runcore.errors.DeterministicError``): a restart reproduces them.
 """
@@ -45,6 +48,33 @@ class Preempted(SystemExit):
             " (emergency checkpoint saved)" if self.saved else " (resume from the last checkpoint)"
         )
         return f"stopped by {self.signal_name} after step {self.step}{how}"
+
+
+DIVERGED_EXIT_CODE = 3
+"""Exit code of a run stopped because its loss was not finite (``Diverged``)."""
+
+
+class Diverged(SystemExit):
+    """The loss was not finite (NaN or inf) and the divergence policy stops the run.
+
+    A ``SystemExit`` (code :data:`DIVERGED_EXIT_CODE`): uncaught, the process exits after
+    ``with`` blocks (the checkpoint manager's close) have run. ``str()`` says the step, the
+    last checkpoint (every committed checkpoint is finite: the save refuses NaN) and how to
+    resume.
+    """
+
+    def __init__(self, step: int, message: str, last_checkpoint_step: int | None) -> None:
+        super().__init__(DIVERGED_EXIT_CODE)
+        self.step = step
+        self.message = message
+        self.last_checkpoint_step = last_checkpoint_step
+
+    @property
+    def exit_code(self) -> int:
+        return DIVERGED_EXIT_CODE
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class PreemptionHandlerError(RuntimeError):

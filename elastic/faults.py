@@ -21,6 +21,10 @@ Kinds:
   shard write, with a permanent error: `phase=shard:error=permanent:times=1`); the plan
   only reports it (`FaultPlan.storage_fault_due`), and `RunGuard` arms it in the
   checkpoint manager (`inject_storage_fault(spec.storage_spec())`).
+- `nan`: a divergence: at the start of step S, that rank's parameters become NaN (so the
+  step's loss is NaN on every rank, and so are the parameters after it); the plan only
+  reports it (`FaultPlan.nan_faults_due`), and `RunGuard` has the checkpoint manager fill
+  them (`inject_non_finite()`).
 
 `rank` omitted means every rank. A fault fires only in the attempt whose job-wide
 restart count equals `attempt` (default 0), so a restarted job does not fail again at
@@ -70,9 +74,12 @@ class FaultKind(str, enum.Enum):
     HANG = "hang"
     SIGTERM = "sigterm"
     CKPT_STORAGE = "ckpt-storage"
+    NAN = "nan"
 
 
 VALID_KINDS: tuple[str, ...] = tuple(kind.value for kind in FaultKind)
+_SAVER_FAULTS = (FaultKind.CKPT_STORAGE, FaultKind.NAN)
+"""Kinds the plan only reports; `RunGuard` carries them out through its saver."""
 VALID_KEYS: tuple[str, ...] = ("step", "at", "rank", "attempt")
 START_POINTS: tuple[str, ...] = ("init_process_group", "checkpoint_manager", "resume")
 """Points of the start-up a fault can be placed at (``at=POINT``), in the order a start-up
@@ -241,14 +248,14 @@ class FaultPlan:
         return f"FaultPlan([{', '.join(str(spec) for spec in self.specs)}])"
 
     def due(self, step: int, rank: int, attempt: int) -> list[FaultSpec]:
-        """Return the unused process faults (not ckpt-storage) that fire at this step."""
+        """Return the unused process faults (not ckpt-storage or nan) that fire at this step."""
         return [spec for _, spec in self._due(step, rank, attempt)]
 
     def _due(self, step: int, rank: int, attempt: int) -> list[tuple[int, FaultSpec]]:
         return [
             (index, spec)
             for index, spec in enumerate(self.specs)
-            if spec.kind is not FaultKind.CKPT_STORAGE
+            if spec.kind not in _SAVER_FAULTS
             and index not in self._consumed
             and spec.at is None
             and spec.step == step
@@ -296,6 +303,22 @@ class FaultPlan:
             if on_fire is not None:
                 on_fire(spec)
             self._act(spec, step, rank)
+
+    def nan_faults_due(self, step: int, rank: int, attempt: int) -> list[FaultSpec]:
+        """Consume and return the `nan` faults of this exact step, rank and attempt; the
+        caller makes the state non-finite (`RunGuard`, through its saver)."""
+        due = []
+        for index, spec in enumerate(self.specs):
+            if (
+                spec.kind is FaultKind.NAN
+                and index not in self._consumed
+                and spec.step == step
+                and spec.applies_to(rank, attempt)
+            ):
+                self._consumed.add(index)
+                logger.warning("rank %d step %d: injecting fault %s", rank, step, spec)
+                due.append(spec)
+        return due
 
     def storage_fault_due(self, step: int, rank: int, attempt: int) -> bool:
         """Return True once for a ckpt-storage fault whose step has been reached.

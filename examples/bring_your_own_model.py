@@ -211,6 +211,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             x, y = (t.to(device) for t in next(batches))
             micro_batches = sampler.micro_batches(args.micro_batch)  # [ft] this step's positions
             loss = train_step(model, opt, sched, x, y, micro_batches, args.seed, args.global_batch)
+            guard.check(loss, reduced=True)  # [ft] NaN/inf: exit 3 naming the last checkpoint
             digest = elastic.samples_digest(sampler.global_batch_ids())
             sampler.advance()  # [ft] one global batch consumed
             log.metrics({
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         code = main()
-    except SystemExit as exc:  # elastic.Preempted (143), argparse (0 for --help, 2)
+    except SystemExit as exc:  # elastic.Preempted (143), Diverged (3), argparse (0, 2)
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
     except Exception:  # e.g. a peer died: its collective failed here; torchrun restarts us
         traceback.print_exc()

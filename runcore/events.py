@@ -52,6 +52,8 @@ WATCHDOG_STALL = "watchdog_stall"
 PREEMPTED = "preempted"
 STRAGGLERS = "stragglers"
 DETERMINISTIC_ERROR = "deterministic_error"
+DIVERGED = "diverged"
+ROLLED_BACK = "rolled_back"
 
 # -- the run log: the training loop (built-in trainer, examples) -------------------------
 START = "start"
@@ -120,6 +122,18 @@ _TYPES = (
         ("reason", "emergency_save"),
         "elastic.guard",
         "a termination signal stopped training",
+    ),
+    EventType(
+        DIVERGED,
+        ("loss", "policy", "action", "last_checkpoint_step", "rollbacks"),
+        "elastic.guard",
+        "the loss was not finite (NaN or inf) on some rank; action: stop or rollback",
+    ),
+    EventType(
+        ROLLED_BACK,
+        ("from_step", "to_step", "skipped_batches", "skipped_positions", "rollbacks"),
+        "elastic.guard",
+        "restored the last finite checkpoint and skipped global batches after it",
     ),
     EventType(
         STRAGGLERS,

@@ -39,6 +39,7 @@ CHILD_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]
         ),
         ("sigterm:step=3", FaultSpec(kind=FaultKind.SIGTERM, step=3)),
         ("ckpt-storage:step=10:rank=0", FaultSpec(kind=FaultKind.CKPT_STORAGE, step=10, rank=0)),
+        ("nan:step=25:rank=1", FaultSpec(kind=FaultKind.NAN, step=25, rank=1)),
         ("  kill : step = 4 ", FaultSpec(kind=FaultKind.KILL, step=4)),
         (
             "kill:at=checkpoint_manager:rank=1",
@@ -81,7 +82,7 @@ def test_parse_invalid_specs_say_what_is_wrong(text: str, reason: str) -> None:
     message = str(info.value)
     assert repr(text) in message
     assert reason in message
-    for kind in ("kill", "exit", "raise", "hang", "sigterm", "ckpt-storage"):
+    for kind in ("kill", "exit", "raise", "hang", "sigterm", "ckpt-storage", "nan"):
         assert kind in message
     for key in ("step", "rank", "attempt"):
         assert key in message

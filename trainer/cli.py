@@ -65,9 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="inject a fault, repeatable: KIND:step=S[:rank=R][:attempt=A], KIND in kill, exit, raise, hang, "
-        "sigterm, ckpt-storage; fires at the start of step S (steps 1..S-1 done) in the attempt whose "
-        "job-wide restart count is A (default 0). ckpt-storage also takes phase=P, error=E, times=N "
-        "(default: the next save's first shard write fails with a permanent error). at=POINT "
+        "sigterm, ckpt-storage, nan; fires at the start of step S (steps 1..S-1 done) in the attempt "
+        "whose job-wide restart count is A (default 0). ckpt-storage also takes phase=P, error=E, "
+        "times=N (default: the next save's first shard write fails with a permanent error); nan "
+        "makes that rank's parameters NaN (a divergence: run.divergence decides). at=POINT "
         "instead of step=S fires in the start-up, POINT in init_process_group, "
         "checkpoint_manager, resume. Also read from env TRAINER_FAULTS (';'-separated)",
     )

@@ -297,6 +297,10 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
         heartbeat_s=cfg.run.heartbeat_s,
         peer_timeout_s=cfg.run.peer_timeout_s,
         attempt=attempt,
+        divergence=cfg.run.divergence,
+        rollback_skip=cfg.run.rollback_skip,
+        max_rollbacks=cfg.run.max_rollbacks,
+        sampler=run.sampler,
     )
     with guard:  # closes the manager on exit (the drain stays guarded)
         if manager is not None:
@@ -314,6 +318,9 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
             result = train_step(model, optimizer, run.samples, run.sampler, layout, cfg, ctx)
             elapsed = time.perf_counter() - started
             guard.record_step_time(elapsed)
+            # A NaN loss stops the run or rolls it back (run.divergence), before it is saved.
+            if guard.check(result.loss, reduced=True):
+                continue  # rolled back: the guard's steps go on after the restored step
             progress.step = step
             run.sampler.advance()
 
