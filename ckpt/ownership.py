@@ -94,11 +94,22 @@ def read_attempt(storage: Storage, dirname: str) -> dict[str, Any] | None:
     return data
 
 
-def attempt_record(run_id: str, restart_count: int, save_id: str, host: str) -> bytes:
-    """The bytes of an ``ATTEMPT`` record."""
-    return json.dumps(
-        {"run_id": run_id, "restart_count": restart_count, "save_id": save_id, "host": host}
-    ).encode()
+def attempt_record(
+    run_id: str, restart_count: int, save_id: str, host: str, *, deleting: bool = False
+) -> bytes:
+    """The bytes of an ``ATTEMPT`` record. ``deleting``: written by retention into a
+    committed checkpoint it is about to delete, so that a prune killed half-way leaves a
+    directory any later prune may finish (it was provably ours and condemned)."""
+    record = {"run_id": run_id, "restart_count": restart_count, "save_id": save_id, "host": host}
+    if deleting:
+        record["deleting"] = True
+    return json.dumps(record).encode()
+
+
+def being_deleted(storage: Storage, dirname: str) -> bool:
+    """Whether an uncommitted directory's ATTEMPT record says retention was deleting it."""
+    record = read_attempt(storage, dirname)
+    return record is not None and record.get("deleting") is True
 
 
 def uncommitted_owner(storage: Storage, dirname: str) -> str | None:

@@ -9,9 +9,10 @@ committed checkpoint belong to dead attempts and are deleted (when their records
 pruning run, or a run whose owner lease it took over: ``dead_runs``); newer partial
 directories may be a save in flight and are kept.
 
-Deleting a committed checkpoint removes its COMPLETE marker first, so a deletion
-interrupted half-way (a kill at any point of a prune) leaves a partial directory,
-never a torn "committed" one, and the next prune deletes that partial directory.
+Deleting a committed checkpoint writes an ``ATTEMPT`` record marked ``deleting`` into it,
+then removes its COMPLETE marker, then the rest, so a deletion interrupted half-way (a
+kill at any point of a prune) leaves a partial directory, never a torn "committed" one,
+and the next prune (of any run) deletes that partial directory: its record proves it.
 
 What the plan says to delete is deleted only when it is provably the library's
 (:mod:`ckpt.ownership`): every file in the directory one it writes (and, committed, one
@@ -27,13 +28,14 @@ fill its disk or bucket.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ckpt import ownership
 from ckpt.errors import CheckpointError
-from ckpt.layout import COMPLETE_NAME
+from ckpt.layout import ATTEMPT_NAME, COMPLETE_NAME
 from ckpt.storage import Storage
 
 if TYPE_CHECKING:
@@ -162,6 +164,15 @@ def apply_retention(
             ownership.say_left_alone(said, info.url, f"retention left {info.url} in place: {why}")
             continue
         if info.committed:
+            # the claim first: a prune killed from here on leaves a directory that is
+            # provably ours and condemned, which the next prune of any run finishes
+            storage.write_bytes(
+                f"{info.dirname}/{ATTEMPT_NAME}",
+                ownership.attempt_record(
+                    run_id or "gc", 0, "retention", socket.gethostname(), deleting=True
+                ),
+                phase="retention",
+            )
             storage.remove(f"{info.dirname}/{COMPLETE_NAME}")
         storage.remove_tree(info.dirname)
         kind = "" if info.committed else "partial "
@@ -189,7 +200,7 @@ def _not_ours(
             f"it holds files this library did not write ({', '.join(foreign[:3])}{more}); "
             "move them out, then `python -m ckpt gc` can remove it"
         )
-    if info.committed:
+    if info.committed or ownership.being_deleted(storage, info.dirname):
         return ""
     owner = ownership.uncommitted_owner(storage, info.dirname)
     if owner is None:
