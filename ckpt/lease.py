@@ -14,7 +14,10 @@ and keeps it:
 - another job finding a *fresh* lease is refused (:class:`~ckpt.errors.RootLeaseError`,
   naming the holder's run id, host and last renewal) before it writes anything; an
   *expired* one (not renewed for its ``ttl_s``: its holder is gone) is taken over and said
-  at WARNING;
+  at WARNING, and so is a fresh one whose holder process is known to have ended (the
+  record names a process of this machine - boot id, pid namespace, pid and start time -
+  that no longer runs: a relaunch on the same machine right after a crash need not wait
+  out the lease);
 - the same job is recognised by its name (:class:`JobIdentity`): ``CKPT_JOB_ID`` if set,
   else Slurm's ``SLURM_JOB_ID`` (a requeued job keeps its id while the recipe gives each
   requeue a new rendezvous id), else torchrun's run id (``--rdzv_id``; a torchrun restart
@@ -91,6 +94,9 @@ class JobIdentity:
     restart_count: int
     host: str
     pid: int
+    process: str = ""
+    """This process on this machine (:func:`process_identity`): whether a record's holder
+    still runs can be told on the same machine; empty where it cannot be known."""
 
     @classmethod
     def from_env(cls, source: Mapping[str, str] | None = None) -> JobIdentity:
@@ -119,7 +125,46 @@ class JobIdentity:
             restart_count=restart_count,
             host=host,
             pid=pid,
+            process=process_identity(pid),
         )
+
+
+def _machine() -> str:
+    """This boot of this machine and this pid namespace (pids mean the same within it)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            boot = fh.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def _start_ticks(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot), or "" when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            stat = fh.read()
+    except OSError:
+        return ""
+    fields = stat[stat.rfind(")") + 2 :].split()  # the name in parentheses may hold spaces
+    return fields[19] if len(fields) > 19 else ""
+
+
+def process_identity(pid: int) -> str:
+    """``MACHINE/PIDNS@START`` naming process ``pid`` for as long as it runs (a reused pid
+    has another start time); "" where ``/proc`` does not tell."""
+    machine, start = _machine(), _start_ticks(pid)
+    return f"{machine}@{start}" if machine and start else ""
+
+
+def holder_is_gone(record_process: str, pid: int) -> bool:
+    """Whether a lease record's holder process is known to have ended: the record names
+    a process of this machine and pid namespace, and ``pid`` is now no process or another
+    one. False whenever that cannot be known (another machine, an old record)."""
+    machine, _, start = record_process.rpartition("@")
+    if not machine or not start or machine != _machine():
+        return False
+    return _start_ticks(pid) != start
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,6 +183,8 @@ class LeaseRecord:
     renewed_at: float
     """Unix time of the last renewal."""
     ttl_s: float
+    process: str = ""
+    """The holder's :func:`process_identity` (empty in records that do not say)."""
 
     def to_bytes(self) -> bytes:
         return json.dumps({"format": RECORD_FORMAT, **dataclasses.asdict(self)}).encode()
@@ -163,6 +210,7 @@ class LeaseRecord:
                 acquired_at=float(_typed(data, "acquired_at", (int, float))),
                 renewed_at=float(_typed(data, "renewed_at", (int, float))),
                 ttl_s=float(_typed(data, "ttl_s", (int, float))),
+                process=_typed(data, "process", str) if "process" in data else "",
             )
         except KeyError as exc:
             raise ValueError(f"lease record without {exc}") from None
@@ -288,6 +336,10 @@ class RootLease:
             return None
         if record.job == self.job.key or record.expired(now):
             return None
+        if holder_is_gone(record.process, record.pid):
+            # Its holder ended on this machine without releasing (killed, crashed): a
+            # relaunch right after a crash need not wait for the lease to expire.
+            return None
         if (
             not self.job.stable
             and self.job.restart_count > 0
@@ -336,6 +388,14 @@ class RootLease:
             logger.info(
                 "ckpt: %s: owner lease taken over from %s (an earlier attempt of this job)",
                 self.url, record.describe(now),
+            )  # fmt: skip
+            return
+        if not record.expired(now):  # _judge let it through: its holder process is gone
+            logger.warning(
+                "ckpt: %s: the owner lease of %s was left by a process that no longer runs "
+                "(pid %d on this machine): taken over by this job (%s, run %r on %s)",
+                self.url, record.describe(now), record.pid, self.job.named_by,
+                self.job.run_id, self.job.host,
             )  # fmt: skip
             return
         logger.warning(
@@ -491,6 +551,7 @@ class RootLease:
             acquired_at=self._acquired_at,
             renewed_at=now,
             ttl_s=self.ttl_s,
+            process=self.job.process,
         )
         data = record.to_bytes()
         self._version = self._call("write", lambda: self._store.write(data, version))

@@ -18,6 +18,7 @@ import torch
 import ckpt
 from ckpt import cli, finite
 from ckpt.discovery import list_checkpoints
+from ckpt.writer import SMALL_ITEM_BYTES
 from testing.spawn import run_ok
 
 pytestmark = pytest.mark.timeout(300)
@@ -100,8 +101,11 @@ def test_the_large_tensor_is_scanned_as_it_is_checksummed_not_in_a_second_pass(
     # every byte of w (two row blocks: 8 MiB and 4 MiB) looked at once, a piece at a time
     assert sum(n for _, n in looked) == state["w"].numel() * 4
     assert {n for _, n in looked} == {finite.PIECE_BYTES}
-    # no tensor is read again after it was written (a small one is checked at once, whole)
-    assert whole_passes == []
+    # no large tensor is read again after it was written: only the small ones, serialized
+    # in memory, are checked whole (at once, still in the cache)
+    small = {v.numel() for v in state.values() if isinstance(v, torch.Tensor)}
+    small = {n for n in small if n * 4 <= SMALL_ITEM_BYTES}
+    assert whole_passes and set(whole_passes) <= small, (whole_passes, small)
     state["w"][-1] = INF
     with pytest.raises(ckpt.NonFiniteStateError):
         ckpt.save(state, tmp_root, 2)

@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -127,6 +129,48 @@ def test_an_expired_lease_is_taken_over_and_said_at_warning(any_root, held, capl
         taker.acquire()
     assert "expired" in caplog.text and "run 'A'" in caplog.text and "taken over" in caplog.text
     assert taker.took_over == ["A"]
+
+
+def _process_job(key: str, pid: int) -> lease.JobIdentity:
+    return lease.JobIdentity(
+        key=key, named_by=key, stable=True, run_id=key, restart_count=0, host="h1", pid=pid,
+        process=lease.process_identity(pid),
+    )  # fmt: skip
+
+
+def test_a_fresh_lease_left_by_a_process_that_ended_here_is_taken_over_at_once(
+    tmp_root, held, caplog
+):
+    # a crashed job relaunched at once (torchrun --standalone names each launch anew)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        crashed = held(tmp_root, _process_job("run:A", child.pid))
+        crashed.acquire()
+        crashed._stop.set()  # its renewals die with it
+        alive = held(tmp_root, job("run:B", run_id="B"))
+        with pytest.raises(ckpt.RootLeaseError, match="in use by another job"):
+            alive.acquire()  # its holder still runs: another job
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    relaunch = held(tmp_root, job("run:C", run_id="C"))
+    with caplog.at_level(logging.WARNING, logger="ckpt.lease"):
+        relaunch.acquire()
+    assert "no longer runs" in caplog.text and f"pid {child.pid}" in caplog.text
+    assert relaunch.took_over == ["run:A"]
+    with pytest.raises(ckpt.RootChangedError, match="taken over"):
+        crashed.check()
+
+
+def test_whose_holder_is_gone_is_only_decided_on_the_same_machine():
+    me = lease.process_identity(os.getpid())
+    assert me and not lease.holder_is_gone(me, os.getpid())
+    machine, _, start = me.rpartition("@")
+    # the same pid started at another time: reused by another process
+    assert lease.holder_is_gone(f"{machine}@{int(start) + 1}", os.getpid())
+    # another machine, pid namespace or an old record: cannot be known, so never gone
+    assert not lease.holder_is_gone(f"other-boot/pid:[1]@{start}", 2**22 + 7)
+    assert not lease.holder_is_gone("", 2**22 + 7)
 
 
 def test_a_closed_lease_is_gone_and_the_next_job_takes_the_root_quietly(any_root, held, caplog):

@@ -7,9 +7,13 @@ run id of its own, so two launches are two jobs):
    stopped with SIGSTOP while B starts, so a slow start-up of B cannot outlast A): B exits
    non-zero within seconds, before its first step, naming A's run id, host and last
    renewal; A, continued, finishes with the losses of the same job run alone, bit for bit.
-2. job C's rank 0 (the lease holder) is SIGKILLed, so its lease stays behind: another job
-   is refused while the lease is fresh, and once it expired the next launch takes it over
-   (said at WARNING), resumes C's checkpoint (a WARNING names C's run id) and finishes.
+2. job C's rank 0 (the lease holder) is SIGKILLed, so its lease stays behind. C runs in
+   a pid namespace of its own (``unshare --pid``), as a job on another machine would: this
+   machine cannot tell whether its holder still runs, so another job is refused while the
+   lease is fresh, and once it expired the next launch takes it over (said at WARNING),
+   resumes C's checkpoint (a WARNING names C's run id) and finishes.
+3. the same kill on this machine: the relaunch right after it takes the lease over at once
+   (its holder process no longer runs; said at WARNING) and resumes.
 
 The Slurm recipe's requeue (same ``SLURM_JOB_ID``, new rendezvous id) is the same job:
 ``tests/e2e/test_slurm_e2e.py`` requeues and resumes on the same root.
@@ -29,7 +33,13 @@ import ckpt
 from ckpt.lease import JobIdentity, RootLease, read_lease
 from ckpt.storage import Storage
 from testing.local_cluster import REPO
-from testing.procs import RunTimeoutError, signal_tree, torchrun_command, torchrun_trainer
+from testing.procs import (
+    RunTimeoutError,
+    run_bounded,
+    signal_tree,
+    torchrun_command,
+    torchrun_trainer,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -41,12 +51,17 @@ TINY = [
 ]  # fmt: skip
 
 
-def train(ckpt_dir: str, run_dir: str, *args: str) -> tuple[object, float]:
+def train(ckpt_dir: str, run_dir: str, *args: str, own_pids: bool = False) -> tuple[object, float]:
+    """The trainer under torchrun; ``own_pids``: in a pid namespace of its own."""
     started = time.monotonic()
+    flags = [*TINY, *args, "--ckpt-dir", ckpt_dir, "--run-dir", run_dir]
     try:
-        result = torchrun_trainer(
-            [*TINY, *args, "--ckpt-dir", ckpt_dir, "--run-dir", run_dir], cwd=REPO, timeout_s=150
-        )
+        if own_pids:
+            cmd, env = torchrun_command(flags)
+            cmd = ["unshare", "--pid", "--fork", "--mount-proc", *cmd]
+            result = run_bounded(cmd, env=env, cwd=REPO, timeout_s=150)
+        else:
+            result = torchrun_trainer(flags, cwd=REPO, timeout_s=150)
     except RunTimeoutError as exc:
         pytest.fail(str(exc))
     return result, time.monotonic() - started
@@ -114,7 +129,7 @@ def test_a_lease_left_by_a_killed_job_is_taken_over_once_it_expired(tmp_path, mo
     root = str(tmp_path / "ckpt")
     monkeypatch.setenv("CKPT_LEASE_TTL_S", "20")
     job_c, _ = train(root, str(tmp_path / "c_run"), "--max-steps", "12",
-                     "--fault", "kill:step=6:rank=0")  # fmt: skip
+                     "--fault", "kill:step=6:rank=0", own_pids=True)  # fmt: skip
     monkeypatch.delenv("CKPT_LEASE_TTL_S")
     assert job_c.returncode != 0
     left = read_lease(Storage(root))
@@ -132,4 +147,19 @@ def test_a_lease_left_by_a_killed_job_is_taken_over_once_it_expired(tmp_path, mo
     assert "expired" in late.stdout and "taken over by this job" in late.stdout
     assert f"step 4 was written by run {left.run_id!r}, not by this run" in late.stdout
     assert [r["step"] for r in rows(str(tmp_path / "late_run"))] == list(range(5, 13))
+    assert read_lease(Storage(root)) is None
+
+
+def test_a_lease_left_by_a_job_killed_on_this_machine_is_taken_over_at_once(tmp_path):
+    root = str(tmp_path / "ckpt")
+    killed, _ = train(root, str(tmp_path / "k_run"), "--max-steps", "12",
+                      "--fault", "kill:step=6:rank=0")  # fmt: skip
+    assert killed.returncode != 0
+    left = read_lease(Storage(root))
+    assert left is not None and not left.expired(time.time())  # rank 0 died holding it
+    relaunch, _ = train(root, str(tmp_path / "r_run"), "--max-steps", "12")
+    assert relaunch.returncode == 0, relaunch.stdout[-4000:]
+    assert "no longer runs" in relaunch.stdout and "taken over by this job" in relaunch.stdout
+    assert f"pid {left.pid}" in relaunch.stdout
+    assert [r["step"] for r in rows(str(tmp_path / "r_run"))] == list(range(5, 13))
     assert read_lease(Storage(root)) is None
