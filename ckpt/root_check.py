@@ -21,8 +21,6 @@ import socket
 import uuid
 from typing import Any
 
-from fsspec.implementations.local import LocalFileSystem
-
 from ckpt import dist as _dist
 from ckpt.errors import CheckpointDirError, StorageError
 from ckpt.faults import FaultRegistry
@@ -162,9 +160,9 @@ def check_root(root: str, options: StorageOptions, group: Any = None) -> None:
     def check() -> None:
         try:
             storage = Storage(root, options)
-            local = isinstance(storage.fs, LocalFileSystem)
+            local = storage.backend.scheme == "file"
             if local:
-                storage.fs.makedirs(storage.path(), exist_ok=True)
+                os.makedirs(storage.root_path, exist_ok=True)
             storage.list_dir()
             storage.check_reachable()  # a missing bucket lists as empty
             if local or coll.is_coordinator:
