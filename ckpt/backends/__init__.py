@@ -23,6 +23,7 @@ BACKENDS: dict[str, str] = {
     "local": "ckpt.backends.local:LocalBackend",
     "gs": "ckpt.backends.gcs:GcsBackend",
     "gcs": "ckpt.backends.gcs:GcsBackend",
+    "s3": "ckpt.backends.s3:S3Backend",
 }
 """URL scheme -> ``module:Class`` of its backend (a path without a scheme is ``file``)."""
 
