@@ -13,6 +13,8 @@ import math
 import os
 from collections.abc import Mapping
 
+from ckpt.fault_spec import parse_storage_faults
+
 logger = logging.getLogger(__name__)
 
 MAX_SECONDS = 1e7
@@ -128,8 +130,6 @@ def validate(env: Mapping[str, str] | None = None) -> None:
     A :class:`~ckpt.manager.CheckpointManager` calls it when built, so that a bad value
     stops a job before it trains, not at its first save.
     """
-    from ckpt.faults import parse_storage_faults  # imports this module
-
     source = _source(env)
     get_float(STORAGE_TIMEOUT_S, 300.0, positive=True, env=source)
     get_int(STORAGE_RETRIES, 6, minimum=1, maximum=1000, env=source)

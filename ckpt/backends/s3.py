@@ -64,6 +64,7 @@ from ckpt.backends.parts import (
     transfer_options,
 )
 from ckpt.checksum import ChecksummingWriter, encode_crc32c
+from ckpt.defaults import process_defaults
 from ckpt.errors import ObjectNotFoundError, StoragePermanentError, WriteVerificationError
 
 logger = logging.getLogger(__name__)
@@ -238,13 +239,6 @@ class _Buffers(io.RawIOBase):
         return len(piece)
 
 
-_CLIENTS: dict[tuple[Any, ...], Any] = {}
-"""botocore clients of this process by settings, and their sessions by profile: a new
-session loads the S3 service model again (0.55 s here, for every ``Storage`` built),
-a client of a loaded session takes 8 ms."""
-_SESSIONS: dict[str | None, Any] = {}
-_CACHE_LOCK = threading.Lock()
-_CACHE_PID = [os.getpid()]
 _CLIENT_ENV = (
     "AWS_ENDPOINT_URL",
     "AWS_ENDPOINT_URL_S3",
@@ -259,23 +253,25 @@ other values is not reused."""
 
 
 def _cached_client(profile: str | None, init: dict[str, Any], config: dict[str, Any]) -> Any:
+    """The botocore client of these settings in this process, kept in ``ckpt.defaults``.
+
+    A new botocore session loads the S3 service model again (0.55 s here, for every
+    ``Storage`` built); a client of a loaded session takes 8 ms. The process id is part
+    of the keys: a forked child makes its own (sockets are not shared).
+    """
     import botocore.session
     from botocore.config import Config
 
+    defaults = process_defaults()
+    pid = os.getpid()
+    session = defaults.part(
+        ("s3.session", pid, profile), lambda: botocore.session.Session(profile=profile)
+    )
     environ = tuple(os.environ.get(name) for name in _CLIENT_ENV)
-    key = (profile, repr(sorted(init.items())), repr(sorted(config.items())), environ)
-    with _CACHE_LOCK:
-        if _CACHE_PID[0] != os.getpid():  # a forked child: the parent's sockets are not its own
-            _CLIENTS.clear()
-            _SESSIONS.clear()
-            _CACHE_PID[0] = os.getpid()
-        client = _CLIENTS.get(key)
-        if client is None:
-            session = _SESSIONS.get(profile)
-            if session is None:
-                session = _SESSIONS[profile] = botocore.session.Session(profile=profile)
-            client = _CLIENTS[key] = session.create_client("s3", config=Config(**config), **init)
-        return client
+    key = ("s3.client", pid, profile, repr(sorted(init.items())), repr(sorted(config.items())))
+    return defaults.part(
+        (*key, environ), lambda: session.create_client("s3", config=Config(**config), **init)
+    )
 
 
 def _body(buffers: list[memoryview | bytes], crc: str) -> dict[str, Any]:
