@@ -1,5 +1,6 @@
-"""``python -m bench [--quick] [--only GROUP,...] [--json OUT] [--dir DIR]``: measure, print a
-table of every metric (those not measured as NaN, with the reason), write JSON."""
+"""``python -m bench [--quick] [--only GROUP,...] [--json OUT] [--dir DIR] [--plot DIR]``:
+measure, print a table of every metric (those not measured as NaN, with the reason), write
+JSON. ``python -m bench curves ...`` is ``python -m bench --only curves ...``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bench import curves as cost_curves
 from bench import memory_tier
 from bench import metrics as m
 from bench import rendezvous as rdzv
@@ -31,7 +33,7 @@ from bench.elastic_runs import (
     warm_available,
 )
 from bench.export import EXPORT_MIN_BYTES, export_metrics, export_rounds
-from bench.fault_cost import KillPlan, fault_cost_run
+from bench.fault_cost import LOADER_PLAN, KillPlan, fault_cost_run, loader_fault_cost_run
 from bench.fsdp_state import layer_width
 from bench.gcs import gcs_rounds
 from bench.report import markdown_table, write_json
@@ -80,6 +82,8 @@ class Mode:
     """The mode of :mod:`bench.memory_tier` (memory_tier_stall, peer_restore_vs_disk)."""
     rendezvous_n: tuple[int, ...]
     """Simulated agent counts of rendezvous_vs_c10d (:mod:`bench.rendezvous`)."""
+    curves: cost_curves.CurvesMode
+    """The sizes, counts and rounds of the ``curves`` group (:mod:`bench.curves`)."""
 
 
 QUICK = Mode(
@@ -97,6 +101,7 @@ QUICK = Mode(
     async_rounds=3,
     memory=memory_tier.QUICK,
     rendezvous_n=rdzv.QUICK_N,
+    curves=cost_curves.QUICK,
 )
 FULL = Mode(
     name="full",
@@ -113,9 +118,11 @@ FULL = Mode(
     async_rounds=3,
     memory=memory_tier.FULL,
     rendezvous_n=rdzv.FULL_N,
+    curves=cost_curves.FULL,
 )
 WARMUP_STEPS = 5
-FULL_ONLY = ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss")
+FULL_ONLY = ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss",
+             "loader_fault_cost_s", "loader_survivor_exit_s")  # fmt: skip
 """Metrics measured in full mode only (torchrun jobs of a minute or more each)."""
 KILL_PLAN = KillPlan()
 """The jobs of restart_overhead, fault_cost_s and ettr (bench/fault_cost.py) when no
@@ -168,6 +175,7 @@ def parse_only(text: str) -> tuple[str, ...]:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     groups = "; ".join(f"{g}: {', '.join(names)}" for g, names in m.GROUPS.items())
     q, f = QUICK.memory, FULL.memory
+    cq = QUICK.curves
     p = argparse.ArgumentParser(
         prog="python -m bench",
         description=__doc__,
@@ -191,7 +199,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         f"({q.stall_rounds} instead of {f.stall_rounds} stall rounds of {q.stall_steps} "
         f"instead of {f.stall_steps} steps, {q.restore_rounds} instead of {f.restore_rounds} "
         f"restore rounds of a {q.restore_bytes >> 20} MB instead of {f.restore_bytes >> 20} MB "
-        f"state); {', '.join(FULL_ONLY[:-1])} and {FULL_ONLY[-1]} are not measured "
+        f"state), the curves group's quick mode (bench.curves.QUICK: states of "
+        f"{' and '.join(str(b >> 20) for b in cq.bytes_sizes)} MB, "
+        f"{' and '.join(map(str, cq.tensor_counts))} tensors, "
+        f"{' and '.join(map(str, cq.ranks))} ranks, roots of "
+        f"{' and '.join(map(str, cq.root_counts))} checkpoints, no restores or kill "
+        f"jobs); {', '.join(FULL_ONLY[:-1])} and {FULL_ONLY[-1]} are not measured "
         "(full mode only)",
     )
     p.add_argument(
@@ -210,6 +223,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--dir", default=None, help="parent of the fresh temp dir (default: the system temp dir)"
     )
+    p.add_argument(
+        "--plot",
+        metavar="DIR",
+        default=None,
+        help="curves group: write one PNG per cost curve (log-log, ours and DCP, fitted "
+        "growth exponents) and curves.json (every series and raw sample) into DIR. "
+        "`python -m bench curves [options]` runs the curves group alone "
+        "(= --only curves)",
+    )
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "curves":
+        argv = ["--only", "curves", *argv[1:]]
     return p.parse_args(argv)
 
 
@@ -362,6 +388,11 @@ def _export(work: str, mode: Mode) -> list[m.Metric]:
     return export_metrics(raw)
 
 
+def _curves(work: str, mode: Mode, plot_dir: str | None) -> list[m.Metric]:
+    """The cost curves (bench/curves.py), their plots and JSON in ``plot_dir`` when given."""
+    return cost_curves.run(work, mode.curves, plot_dir, _progress)
+
+
 def _not_full(names: tuple[str, ...]) -> list[m.Metric]:
     return [m.missing(name, "full mode only (torchrun jobs of a minute or more)") for name in names]
 
@@ -451,6 +482,22 @@ def _elastic(work: str, mode: Mode) -> list[m.Metric]:
             **settings,
         ),
     ]
+
+
+def _loader(work: str, mode: Mode) -> list[m.Metric]:
+    """loader_fault_cost_s, loader_survivor_exit_s: the project's example with two
+    ``DataLoader`` worker processes per rank, one agent of two workers, rank 1 killed three
+    times (bench/fault_cost.py, :data:`~bench.fault_cost.LOADER_PLAN`)."""
+    if not mode.elastic_jobs:
+        return _not_full(("loader_fault_cost_s", "loader_survivor_exit_s"))
+    warm = warm_available()
+    plan = LOADER_PLAN
+    _progress(
+        f"elastic: loader-worker job, {'warmstart' if warm else 'plain'} launcher, rdzv "
+        f"{OURS_RDZV}, kills before {list(plan.kill_steps)} of {plan.max_steps} steps"
+    )
+    job = loader_fault_cost_run(work, plan, mode.timeout_s, warm=warm, rdzv_backend=OURS_RDZV)
+    return m.loader_metrics(job, **plan.settings(), kills_of="rank 1 (TRAINER_FAULTS)")
 
 
 def _silent(work: str, mode: Mode) -> list[m.Metric]:
@@ -548,8 +595,11 @@ def task_done_line(
     )
 
 
-def tasks(work: str, mode: Mode) -> list[tuple[str, str, Callable[[], list[m.Metric]]]]:
-    """``(group, what, run)`` in run order; each task that needs one gets its own directory."""
+def tasks(
+    work: str, mode: Mode, plot_dir: str | None = None
+) -> list[tuple[str, str, Callable[[], list[m.Metric]]]]:
+    """``(group, what, run)`` in run order; each task that needs one gets its own directory.
+    ``plot_dir``: where the curves group writes its plots (None: no plots)."""
 
     def own(name: str) -> str:
         path = os.path.join(work, name)
@@ -567,8 +617,10 @@ def tasks(work: str, mode: Mode) -> list[tuple[str, str, Callable[[], list[m.Met
         ("memory", "memory tier", lambda: _memory(own("memory"), mode)),
         ("elastic", "kill jobs", lambda: _elastic(work, mode)),
         ("elastic", "silent node jobs", lambda: _silent(work, mode)),
+        ("elastic", "loader-worker job", lambda: _loader(work, mode)),
         ("rendezvous", "rendezvous simulation", lambda: _rendezvous(mode)),
         ("export", "export rounds", lambda: _export(own("export"), mode)),
+        ("curves", "cost curves", lambda: _curves(own("curves"), mode, plot_dir)),
     ]
 
 
@@ -589,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     _RUN_STARTED[:] = [started]
     produced: list[m.Metric] = []
     errors: dict[str, list[str]] = {}
-    todo = [t for t in tasks(work, mode) if t[0] in selected]
+    todo = [t for t in tasks(work, mode, args.plot) if t[0] in selected]
     _progress(
         f"mode={mode.name}, {len(todo)} task(s) in group(s) {','.join(selected)}; work dir {work}",
         elapsed=False,

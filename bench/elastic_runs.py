@@ -104,9 +104,11 @@ def elastic_run(
     warm: bool = False,
     memory_every: int = 0,
     rdzv_backend: str = "c10d",
+    trainer_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One 2-agent job whose agent 0's worker is killed before each of ``kill_steps``
     (:func:`fault_spec`); returns its rows, the events of every rank and the agent logs.
+    ``trainer_args`` go to the trainer after the job's own (``--set model.d_model=256``).
 
     Durable checkpoints (async) every ``ckpt_every`` steps; with ``memory_every`` > 0 the
     memory tier is on too (``checkpoint.memory_every``), each agent a node of its own
@@ -122,12 +124,12 @@ def elastic_run(
     ]  # fmt: skip
     if memory_every:
         args += ["--set", f"checkpoint.memory_every={memory_every}"]
-    module, trainer_args = launch_module(args, warm)
+    module, launch_args = launch_module([*args, *trainer_args], warm)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else work
     memory = os.path.join(shm, f"bench-elastic-{uuid.uuid4().hex[:8]}")
     job = ElasticJob(
         os.path.join(work, f"job_{time.monotonic_ns()}"),
-        trainer_args=trainer_args,
+        trainer_args=launch_args,
         module=module,
         max_restarts=len(kill_steps),
         env={"PYTHONPATH": worker_pythonpath()},
@@ -155,6 +157,67 @@ def elastic_run(
     finally:
         job.close()
         shutil.rmtree(memory, ignore_errors=True)
+
+
+LOADER_EXAMPLE = "examples.bring_your_own_model"
+"""The job of the loader-worker variant: the project's own user script, run as a module
+(``python -m examples.bring_your_own_model``; a source checkout)."""
+
+
+def loader_run(
+    work: str,
+    max_steps: int,
+    kill_steps: list[int],
+    ckpt_every: int,
+    timeout_s: float,
+    *,
+    num_workers: int = 2,
+    warm: bool = False,
+    rdzv_backend: str = "ft",
+) -> dict[str, Any]:
+    """One agent with two workers running ``examples/bring_your_own_model.py`` with
+    ``--num-workers`` ``DataLoader`` worker processes; rank 1 is SIGKILLed before each of
+    ``kill_steps`` (one per attempt), so torchrun sends the surviving rank 0 SIGTERM and
+    restarts both. Async durable checkpoints every ``ckpt_every`` steps. Returns the rows,
+    the events of every rank and the agent's log (torchrun's marks of the SIGTERM and of
+    the group's exit, :func:`bench.fault_cost.survivor_exits`)."""
+    from testing.local_cluster import ElasticJob
+
+    args = [
+        "--max-steps", str(max_steps), "--ckpt-every", str(ckpt_every), "--async-save",
+        "--num-workers", str(num_workers),
+    ]  # fmt: skip
+    module, program_args = (WARM_MODULE, ["-m", LOADER_EXAMPLE, *args]) if warm else (
+        LOADER_EXAMPLE, args)  # fmt: skip
+    faults = ";".join(f"kill:step={s}:rank=1:attempt={a}" for a, s in enumerate(kill_steps))
+    job = ElasticJob(
+        os.path.join(work, f"loader_{time.monotonic_ns()}"),
+        trainer_args=program_args,
+        module=module,
+        nnodes="1",
+        nproc_per_node=2,
+        max_restarts=len(kill_steps),
+        env={"PYTHONPATH": worker_pythonpath(), "TRAINER_FAULTS": faults},
+        rdzv_backend=rdzv_backend,
+    )
+    t0 = time.monotonic()
+    try:
+        job.add_agent()
+        codes = job.wait_agents(timeout_s)
+        wall = time.monotonic() - t0
+        if any(codes.values()):
+            raise RuntimeError(f"loader-worker job failed: {codes}\n{job.logs_tail()}")
+        return {
+            "metrics": job.metrics(),
+            "events": job.all_events(),
+            "job_wall_s": wall,
+            "logs": [agent.log() for agent in job.agents],
+            "launcher": "warmstart" if warm else "plain",
+            "rdzv_backend": rdzv_backend,
+            "num_workers": num_workers,
+        }
+    finally:
+        job.close()
 
 
 _TRAINER_TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (.*)$")
@@ -350,7 +413,9 @@ def silent_node_run(
         job.close()
 
 
-def _torch_marks(logs: list[str], year: int, needle: str) -> list[float]:
+def torch_marks(logs: list[str], year: int, needle: str) -> list[float]:
+    """Unix times of torchrun's log lines (``[IWE]MMDD HH:MM:SS.ffffff pid ...``) that
+    contain ``needle``, from every log, sorted (local time, of the year ``year``)."""
     out = []
     for text in logs:
         for line in text.splitlines():
@@ -380,7 +445,7 @@ def silent_loss(
     verdicts = [float(e["time"]) for e in events if e["event"] == ev.PEER_SILENT]
     detected = min(t for t in verdicts if t > frozen_at)
     year = datetime.datetime.fromtimestamp(frozen_at).year
-    rdzv = next(t for t in _torch_marks(logs, year, _RDZV_DONE) if t > detected)
+    rdzv = next(t for t in torch_marks(logs, year, _RDZV_DONE) if t > detected)
     built = next(t for t, kind in log_marks(logs, year) if kind == "built" and t > rdzv)
     load = next(
         (

@@ -41,7 +41,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from bench.elastic_runs import attempt_starts, elastic_run, log_marks
+from bench.elastic_runs import attempt_starts, elastic_run, loader_run, log_marks, torch_marks
 from runcore import events as ev
 
 FAULT_EVERY_S = 30.0
@@ -106,9 +106,10 @@ def fault_cost_run(
     memory: bool,
     warm: bool,
     rdzv_backend: str = "c10d",
+    trainer_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One job of ``plan`` (memory tier on or off); :func:`elastic_run`'s result plus
-    ``cost`` (:func:`fault_cost`) and ``tiers``."""
+    ``cost`` (:func:`fault_cost`) and ``tiers``. ``trainer_args``: see :func:`elastic_run`."""
     out = elastic_run(
         work,
         plan.max_steps,
@@ -118,9 +119,55 @@ def fault_cost_run(
         warm=warm,
         memory_every=plan.memory_every if memory else 0,
         rdzv_backend=rdzv_backend,
+        trainer_args=trainer_args,
     )
     out["cost"] = fault_cost(out["metrics"], out["events"], out["logs"], kills=len(plan.kill_steps))
     out["tiers"] = "memory + durable" if memory else "durable only"
+    return out
+
+
+LOADER_PLAN = KillPlan(max_steps=252, kill_steps=(69, 131, 193), memory_every=0)
+"""The loader-worker job (:func:`loader_fault_cost_run`): durable checkpoints every 20 steps,
+rank 1 killed after rows 68, 130 and 192 (re-runs of 8, 10 and 12 steps)."""
+SIGTERM_MARK = "closing signal SIGTERM"
+GROUP_EXIT_MARK = "failed (exitcode"
+
+
+def survivor_exits(logs: list[str], year: int) -> list[float]:
+    """Seconds from each SIGTERM torchrun sent to the survivors of a failed worker group
+    ("Sending process N closing signal SIGTERM") to its report of the group's failure
+    ("failed (exitcode ..."), which it writes once every worker has exited (pure).
+
+    After a kill torchrun signals the group's live workers and waits for all of them, so
+    this is how long the slowest survivor took to leave after the signal; a survivor that
+    left on its own first (its collective with the dead rank failed) gets no signal and
+    adds nothing."""
+    marks = sorted(
+        [(t, "sigterm") for t in torch_marks(logs, year, SIGTERM_MARK)]
+        + [(t, "exit") for t in torch_marks(logs, year, GROUP_EXIT_MARK)]
+    )
+    out: list[float] = []
+    signalled: float | None = None
+    for t, kind in marks:
+        if kind == "sigterm":
+            signalled = t if signalled is None else signalled
+        elif signalled is not None:
+            out.append(t - signalled)
+            signalled = None
+    return out
+
+
+def loader_fault_cost_run(
+    work: str, plan: KillPlan, timeout_s: float, *, warm: bool, rdzv_backend: str = "ft"
+) -> dict[str, Any]:
+    """The loader-worker job of ``plan`` (:func:`bench.elastic_runs.loader_run`):
+    its result plus ``cost`` (:func:`fault_cost`) and ``survivor_exit_s``
+    (:func:`survivor_exits`)."""
+    steps = (plan.max_steps, list(plan.kill_steps), plan.durable_every)
+    out = loader_run(work, *steps, timeout_s, warm=warm, rdzv_backend=rdzv_backend)
+    out["cost"] = fault_cost(out["metrics"], out["events"], out["logs"], kills=len(plan.kill_steps))
+    year = datetime.datetime.fromtimestamp(float(out["metrics"][0]["time"])).year
+    out["survivor_exit_s"] = survivor_exits(out["logs"], year)
     return out
 
 

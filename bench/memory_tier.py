@@ -409,7 +409,18 @@ def _digest(model: Any, optim: Any) -> str:
     return h.hexdigest()
 
 
-def restore_rounds(work: str, memory: str, mode: Mode, gcs_root: str | None) -> dict:
+def restore_rounds(
+    work: str,
+    memory: str,
+    mode: Mode,
+    gcs_root: str | None,
+    *,
+    sides: tuple[str, ...] = CORE_SIDES,
+    extras: bool = True,
+) -> dict:
+    """``mode.restore_rounds`` rounds of the restores of ``sides`` (order rotating), with
+    :data:`EXTRA_SIDES` in the first round and the :data:`AFTER_DROP` sample when
+    ``extras``; ``{"times": {side: [s, ...]}, ...}``."""
     root = os.path.join(work, "restore")
     width = layer_width(mode.restore_bytes)
     saved = run_on_ranks(
@@ -427,33 +438,37 @@ def restore_rounds(work: str, memory: str, mode: Mode, gcs_root: str | None) -> 
             if not (r == 1 and side == "memory_peer"):
                 shutil.copytree(backup, _node(memory, r))
 
-    extra = list(EXTRA_SIDES) if gcs_root is not None else [EXTRA_SIDES[0]]
-    times: dict[str, list[float]] = {s: [] for s in CORE_SIDES + tuple(extra)}
+    extra = (list(EXTRA_SIDES) if gcs_root is not None else [EXTRA_SIDES[0]]) if extras else []
+    times: dict[str, list[float]] = {s: [] for s in sides + tuple(extra)}
     phases: dict[str, list[Any]] = {s: [] for s in times}
     transfers: dict[str, list[Any]] = {"memory_peer": [], "memory_intact": []}
     baselines: list[dict[str, float]] = []
     methods = set()
     for i in range(mode.restore_rounds):
-        n = len(CORE_SIDES)
-        order = list(CORE_SIDES[i % n :] + CORE_SIDES[: i % n]) + (extra if i == 0 else [])
+        n = len(sides)
+        order = list(sides[i % n :] + sides[: i % n]) + (extra if i == 0 else [])
         for side in order:
             place(side)
             tier = "memory" if side.startswith("memory") else side
             where = gcs_root if side == "gcs" else root
-            got = run_on_ranks(restore_sample, RANKS, where, memory, width, tier,
-                               side == "memory_peer", timeout_s=mode.timeout_s)  # fmt: skip
+            baseline = extras and side == "memory_peer"
+            got = run_on_ranks(restore_sample, RANKS, where, memory, width, tier, baseline,
+                               timeout_s=mode.timeout_s)  # fmt: skip
             assert all(g["digest"] == saved["digest"] for g in got), (
                 f"{side}: restored state differs"
             )
             times[side].append(got[0]["s"])
             phases[side].append(got[0]["phases"])
-            if side.startswith("memory"):
+            if side in transfers:
                 transfers[side].append([g["transfer"] for g in got])
             for g in got:
                 if g.get("baseline"):
                     baselines.append(g["baseline"])
             if got[0]["cache_drop"]:
                 methods.add(got[0]["cache_drop"])
+    if not extras:
+        return {"times": times, "bytes": saved["bytes"], "width": width,
+                "cache_drop": sorted(methods)}  # fmt: skip
     # One more peer restore, from node 0's files after a cache drop (detail only).
     place("memory_peer")
     methods.add(disk.drop_page_cache(disk.files_under(_node(memory, 0))))

@@ -27,6 +27,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     "fault_cost_s": (2.0, "<="),
     "ettr": (0.92, ">="),
     "silent_node_loss": (8.0, "<="),
+    "loader_fault_cost_s": (1.5, "<="),
+    "loader_survivor_exit_s": (0.5, "<="),
     "rendezvous_vs_c10d": (0.33, "<="),
     "export_memory": (2.0, "<="),
     "export_vs_read": (0.8, ">="),
@@ -34,6 +36,16 @@ TARGETS: dict[str, tuple[float, str]] = {
     "gcs_save_vs_pipe": (1.3, ">="),
     "s3_save_vs_put": (1.3, ">="),
     "s3_load_vs_get": (1.3, ">="),
+    "curve_save_bytes_exp": (1.05, "<="),
+    "curve_load_bytes_exp": (1.05, "<="),
+    "curve_save_tensors_exp": (1.05, "<="),
+    "curve_load_tensors_exp": (1.05, "<="),
+    "curve_vs_dcp": (1.0, "<="),
+    "curve_many_tensors_vs_dcp": (0.5, "<="),
+    "curve_rank0_share_exp": (0.2, "<="),
+    "curve_discovery_local": (2.0, "<="),
+    "curve_discovery_gcs": (2.0, "<="),
+    "curve_save_memory": (0.5, "<="),
 }
 """The one table of metrics: name -> (target, direction), in report order.
 
@@ -49,9 +61,28 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gcs": ("gcs_save_vs_pipe", "gcs_load_vs_cat"),
     "s3": ("s3_save_vs_put", "s3_load_vs_get"),
     "memory": ("memory_tier_stall", "peer_restore_vs_disk"),
-    "elastic": ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss"),
+    "elastic": (
+        "restart_overhead",
+        "fault_cost_s",
+        "ettr",
+        "silent_node_loss",
+        "loader_fault_cost_s",
+        "loader_survivor_exit_s",
+    ),
     "rendezvous": ("rendezvous_vs_c10d",),
     "export": ("export_memory", "export_vs_read"),
+    "curves": (
+        "curve_save_bytes_exp",
+        "curve_load_bytes_exp",
+        "curve_save_tensors_exp",
+        "curve_load_tensors_exp",
+        "curve_vs_dcp",
+        "curve_many_tensors_vs_dcp",
+        "curve_rank0_share_exp",
+        "curve_discovery_local",
+        "curve_discovery_gcs",
+        "curve_save_memory",
+    ),
 }
 """Measurement groups (``python -m bench --only``), in run order, and the metrics each yields."""
 
@@ -535,6 +566,55 @@ def fault_cost_metric(ours: dict[str, Any], base: dict[str, Any], **extra: Any) 
     )
 
 
+def loader_metrics(job: dict[str, Any], **extra: Any) -> list[Metric]:
+    """loader_fault_cost_s and loader_survivor_exit_s of the loader-worker job
+    (:func:`bench.fault_cost.loader_fault_cost_run`): seconds lost per kill, as
+    ``fault_cost_s`` counts them, and the slowest survivor's exit after torchrun's SIGTERM
+    (the largest over the kills; each one in detail)."""
+    from bench.fault_cost import phase_medians
+
+    cost = job["cost"]
+    exits = [float(x) for x in job["survivor_exit_s"]]
+    common = {
+        "num_workers": job["num_workers"],
+        "launcher": job["launcher"],
+        "rdzv_backend": job["rdzv_backend"],
+        "job_wall_s": _r(job["job_wall_s"]),
+        **extra,
+    }
+    return [
+        Metric(
+            name="loader_fault_cost_s",
+            value=cost["fault_cost_s"],
+            detail={
+                "value_is": "(downtime + re-run step time) / kills of the loader-worker job, "
+                "trainer.report.summarize totals",
+                "fault_cost_with_first_step_s": _r(cost["fault_cost_with_first_step_s"]),
+                "kills": cost["kills"],
+                "downtime_s": _r(cost["downtime_s"]),
+                "rerun_time_s": _r(cost["rerun_time_s"]),
+                "rerun_steps": cost["rerun_steps"],
+                "step_time_median_s": _r(cost["step_time_median_s"]),
+                "median_per_kill_s": _rounded(phase_medians(cost["per_kill"])),
+                "per_kill": _rounded(cost["per_kill"]),
+                **common,
+            },
+        ),
+        Metric(
+            name="loader_survivor_exit_s",
+            value=max(exits) if exits else math.nan,
+            detail={
+                "value_is": "the largest, over the kills, of torchrun's SIGTERM to the "
+                "surviving worker -> its report that the group exited (kills after which "
+                "the survivor had already left on its own are not in it: torchrun then "
+                "signals nobody)",
+                "each_s": [_r(x) for x in exits],
+                **common,
+            },
+        ),
+    ]
+
+
 def memory_metrics(raw: dict[str, dict[str, Any]]) -> list[Metric]:
     """The results of :func:`bench.memory_tier.measure` (``{name: {value, target, ok,
     detail}}``) as metrics; targets and directions come from :data:`TARGETS`."""
@@ -587,3 +667,151 @@ def rendezvous_metric(rows: list[dict[str, Any]]) -> Metric:
     if phase not in c10d:
         detail["c10d_timed_out"] = True
     return Metric(name="rendezvous_vs_c10d", value=_r(ft[phase] / theirs), detail=detail)
+
+
+# -- cost curves (bench/curves.py) -----------------------------------------------------------
+
+
+def growth_exponent(xs: list[float], ys: list[float]) -> float:
+    """The k of ``y ~ c * x**k``: the least-squares slope of log(y) on log(x).
+
+    Points whose x or y is not a positive finite number are left out; fewer than two
+    distinct x left gives NaN. 1.0 is linear growth, 0 none, 2 quadratic."""
+    pts = [
+        (math.log(x), math.log(y))
+        for x, y in zip(xs, ys, strict=True)
+        if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)
+        and x > 0 and y > 0
+    ]  # fmt: skip
+    if len({x for x, _ in pts}) < 2:
+        return math.nan
+    mx = statistics.fmean(x for x, _ in pts)
+    my = statistics.fmean(y for _, y in pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx
+
+
+def _line(curves: dict[str, Any], curve: str, series: str) -> dict[str, Any] | None:
+    """``curves[curve]["series"][series]``, or None when that curve was not measured."""
+    return (curves.get(curve) or {}).get("series", {}).get(series)
+
+
+def _exponent_metric(
+    name: str, curves: dict[str, Any], curve: str, series: str, side: str = "ours"
+) -> Metric:
+    line = _line(curves, curve, series)
+    if line is None:
+        return missing(name, _why_curve(curves, curve))
+    exps = {k: _r(growth_exponent(line["x"], v)) for k, v in line["lines"].items()}
+    return Metric(
+        name=name,
+        value=exps[side],
+        detail={
+            "curve": curve,
+            "series": series,
+            "x": line["x"],
+            "unit": line.get("unit"),
+            "lines": {
+                k: [None if v is None else _r(v) for v in vals] for k, vals in line["lines"].items()
+            },
+            "exponents": exps,
+            "x_is": curves[curve]["x_label"],
+            "fit": "least-squares slope of log(y) on log(x), ours (DCP's beside it)",
+        },
+    )
+
+
+def _why_curve(curves: dict[str, Any], curve: str) -> str:
+    got = curves.get(curve)
+    if got is None:
+        return f"curve {curve!r} not measured"
+    return str(got.get("error", f"curve {curve!r} has no such series"))[:500]
+
+
+def dcp_ratios(curves: dict[str, Any], names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """ours / DCP at every point of every series of ``names`` marked ``vs_dcp`` (the times
+    of the operations both run: save, async stall, loads)."""
+    out = []
+    for curve in names:
+        for series, line in (curves.get(curve) or {}).get("series", {}).items():
+            lines = line["lines"]
+            if "dcp" not in lines or not line.get("vs_dcp"):
+                continue
+            for x, ours, dcp in zip(line["x"], lines["ours"], lines["dcp"], strict=True):
+                if ours is None or dcp is None or not dcp > 0:
+                    continue
+                out.append({"curve": curve, "series": series, "x": x, "ratio": _r(ours / dcp),
+                            "ours_s": _r(ours), "dcp_s": _r(dcp)})  # fmt: skip
+    return out
+
+
+def _max_ratio_metric(name: str, ratios: list[dict[str, Any]], why: str, **extra: Any) -> Metric:
+    if not ratios:
+        return missing(name, why)
+    worst = max(ratios, key=lambda r: r["ratio"])
+    return Metric(
+        name=name,
+        value=worst["ratio"],
+        detail={"worst": worst, "points": ratios, **extra},
+    )
+
+
+def _discovery_metric(name: str, curves: dict[str, Any], backend: str) -> Metric:
+    """Time at the most checkpoints / at the fewest, for a resume and for discovery alone
+    (the larger of the two is the value)."""
+    roots = curves.get("checkpoints") or {}
+    detail: dict[str, Any] = {"backend": backend}
+    ratios = {}
+    for op in ("resume", "discovery"):
+        line = _line(curves, "checkpoints", op)
+        values = (line or {}).get("lines", {}).get(backend)
+        if not values or values[0] is None or values[-1] is None:
+            continue
+        ratios[op] = values[-1] / values[0]
+        detail[op] = {"x": line["x"], "s": [_r(v) for v in values], "ratio": _r(ratios[op])}
+    calls = roots.get("calls", {}).get(backend)
+    if calls:
+        detail["storage_calls"] = calls
+    if not ratios:
+        return missing(name, _why_curve(curves, "checkpoints") if roots else "not measured")
+    detail["value_is"] = "max over resume and discovery of time at the most / at the fewest"
+    return Metric(name=name, value=_r(max(ratios.values())), detail=detail)
+
+
+def curve_metrics(curves: dict[str, Any]) -> list[Metric]:
+    """The metrics of the ``curves`` group from the series :func:`bench.curves.series` built."""
+    out = [
+        _exponent_metric("curve_save_bytes_exp", curves, "bytes", "save"),
+        _exponent_metric("curve_load_bytes_exp", curves, "bytes", "load (cold)"),
+        _exponent_metric("curve_save_tensors_exp", curves, "tensors", "save"),
+        _exponent_metric("curve_load_tensors_exp", curves, "tensors", "load (cold)"),
+    ]
+    ratios = dcp_ratios(curves, ("bytes", "tensors", "ranks"))
+    out.append(_max_ratio_metric("curve_vs_dcp", ratios, "curves 1-3 not measured"))
+    many = [r for r in ratios if r["curve"] == "tensors" and r["x"] >= 10_000]
+    out.append(
+        _max_ratio_metric(
+            "curve_many_tensors_vs_dcp", many, "no point of 10,000 tensors or more measured"
+        )
+    )
+    out.append(_exponent_metric("curve_rank0_share_exp", curves, "ranks", "rank 0 share"))
+    out.append(_discovery_metric("curve_discovery_local", curves, "local"))
+    out.append(_discovery_metric("curve_discovery_gcs", curves, "gcs"))
+    line = _line(curves, "bytes", "save RSS growth / state")
+    if line is None:
+        out.append(missing("curve_save_memory", _why_curve(curves, "bytes")))
+    else:
+        ours = [v for v in line["lines"]["ours"] if v is not None]
+        out.append(
+            Metric(
+                name="curve_save_memory",
+                value=max(ours) if ours else math.nan,
+                detail={
+                    "x": line["x"],
+                    **{k: v for k, v in line["lines"].items()},
+                    "value_is": "max over sizes and ranks of peak RSS growth during a "
+                    "save / the rank's state bytes",
+                },
+            )
+        )
+    return out

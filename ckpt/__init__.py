@@ -32,6 +32,11 @@ The model of a checkpoint as Hugging Face safetensors or one torch file (streame
 
     ckpt.export("gs://bucket/run1", "./my-model", dtype="bf16")   # python -m ckpt export
 
+and back: a ``save_pretrained`` directory as the starting point of a sharded model::
+
+    if manager.resume() is None:
+        ckpt.load_pretrained(model, "./my-model")   # each rank reads its own shards
+
 Layout, manifest and commit rules: docs/design.md. ``python -m ckpt --help`` for the CLI.
 Only what a script needs is exported here; the parts behind it (``ckpt.storage.Storage``,
 ``ckpt.manifest``, ``ckpt.retention.apply_retention``, the storage error subclasses in
@@ -54,6 +59,9 @@ from ckpt.errors import (
     ExportError,
     FencedError,
     NoLoadableCheckpointError,
+    NonFiniteStateError,
+    RootChangedError,
+    RootLeaseError,
     SaveFailedError,
     StateMismatchError,
     StorageError,
@@ -63,6 +71,7 @@ from ckpt.errors import (
 from ckpt.export import ExportResult, export
 from ckpt.manager import CheckpointManager, ResumeInfo
 from ckpt.per_rank import PerRank
+from ckpt.pretrained import PretrainedLoad, load_pretrained
 from ckpt.restore import LoadResult, load
 from ckpt.retention import RetentionPolicy
 from ckpt.storage import StorageOptions
@@ -83,10 +92,14 @@ __all__ = [
     "FencedError",
     "LoadResult",
     "NoLoadableCheckpointError",
+    "NonFiniteStateError",
     "PendingSave",
     "PerRank",
+    "PretrainedLoad",
     "ResumeInfo",
     "RetentionPolicy",
+    "RootChangedError",
+    "RootLeaseError",
     "SaveFailedError",
     "StateMismatchError",
     "StorageError",
@@ -99,6 +112,7 @@ __all__ = [
     "find_latest_committed",
     "list_checkpoints",
     "load",
+    "load_pretrained",
     "save",
     "verify_dir",
     "wait_pending",

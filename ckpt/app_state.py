@@ -18,6 +18,12 @@ Each value is one of:
   each rank apart (plain tensors that differ across ranks are detected and saved per
   rank anyway, see :mod:`ckpt.per_rank`).
 
+Tied parameters (one ``Parameter`` under two names) are stored once, under the first
+name, and given back to the alias on load (:mod:`ckpt.names`); module tensors are named
+as DCP names them, without a wrapper's prefix. An optimizer driven by an LR scheduler
+that is not in the dict is found (:meth:`AppState.unsaved_schedulers`), and so are the
+param-group values a load replaces (:func:`param_group_changes`).
+
 Two traps are handled here. DCP's ``get_optimizer_state_dict`` on an optimizer that has
 not stepped yet runs a zero-learning-rate ``step()`` to create its state, which sets
 Adam's ``step`` counter: a save of such an optimizer records it as *fresh* and saves
@@ -44,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ckpt import names
 from ckpt.errors import StateSpecError
 from ckpt.per_rank import PER_RANK_KEY, PerRank
 from ckpt.rng import RNG_STATE_KEY
@@ -81,6 +88,8 @@ class AppState:
     plain: list[str] = field(default_factory=list)
     per_rank: list[str] = field(default_factory=list)
     """Keys declared :class:`~ckpt.per_rank.PerRank`: every tensor under them is per rank."""
+    aliases: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per module key, its tied parameters: ``{alias: stored name}`` (:mod:`ckpt.names`)."""
 
     @classmethod
     def classify(cls, objects: dict[str, Any]) -> AppState:
@@ -121,7 +130,25 @@ class AppState:
                 )
         for key, (optim, _) in list(app.optimizers.items()):
             app.optimizers[key] = (optim, app._owner_of(key, optim))
+        for key, module in app.modules.items():
+            tied = names.tied_aliases(module)
+            if tied:
+                app.aliases[key] = tied
         return app
+
+    def unsaved_schedulers(self) -> list[str]:
+        """Keys of optimizers driven by an LR scheduler that is not in the state.
+
+        Such a scheduler starts its schedule again (its warm-up) after every resume.
+        torch marks the ``step`` of an optimizer a scheduler was built on
+        (``_wrapped_by_lr_sched``); a scheduler in the state names it as ``.optimizer``.
+        """
+        saved = {id(getattr(obj, "optimizer", None)) for obj in self.statefuls.values()}
+        return sorted(
+            key
+            for key, (optim, _) in self.optimizers.items()
+            if getattr(optim.step, "_wrapped_by_lr_sched", False) and id(optim) not in saved
+        )
 
     def _owner_of(self, key: str, optim: torch.optim.Optimizer) -> torch.nn.Module:
         wanted = {id(p) for group in optim.param_groups for p in group["params"]}
@@ -144,6 +171,7 @@ class AppState:
         out: dict[str, Any] = {}
         for key, module in self.modules.items():
             out[key] = get_model_state_dict(module)
+            names.drop_aliases(out[key], self.aliases.get(key, {}))
         for key, (optim, owner) in self.optimizers.items():
             if key not in skip_optimizers:
                 init_adam_state(optim)
@@ -160,6 +188,7 @@ class AppState:
     def load(self, loaded: dict[str, Any], *, skip_optimizers: list[str] = ()) -> None:  # type: ignore[assignment]
         """Push a loaded state (the template after ``ckpt.load``) back into the objects."""
         for key, module in self.modules.items():
+            names.restore_aliases(loaded[key], self.aliases.get(key, {}))
             set_model_state_dict(module, loaded[key])
         for key, (optim, owner) in self.optimizers.items():
             if key not in skip_optimizers:
@@ -174,12 +203,72 @@ class AppState:
 
     # -- descriptions ------------------------------------------------------------------
 
+    def fill_parameters(self, value: float) -> list[str]:
+        """Set this rank's part of every floating parameter of the modules to ``value`` (a
+        fault drill: NaN); the parameters' names."""
+        filled = []
+        with torch.no_grad():
+            for key, module in self.modules.items():
+                for name, param in module.named_parameters():
+                    local = param.to_local() if isinstance(param, DTensor) else param
+                    if local.dtype.is_floating_point and local.numel():
+                        local.fill_(value)
+                        filled.append(f"{key}.{name}")
+        return filled
+
     def tensor_shapes(self) -> dict[str, dict[str, list[int]]]:
-        """Global shape of every module tensor, by state key and name (for shape checks)."""
+        """Global shape of every module tensor, by state key and DCP name (shape checks)."""
+        return {key: names.canonical_shapes(module) for key, module in self.modules.items()}
+
+    def canonical_shapes(
+        self, saved: dict[str, dict[str, list[int]]]
+    ) -> dict[str, dict[str, list[int]]]:
+        """A checkpoint's shape record under the names :meth:`tensor_shapes` uses."""
         return {
-            key: {name: list(t.shape) for name, t in module.state_dict().items()}
-            for key, module in self.modules.items()
+            key: names.canonical_record(self.modules[key], shapes)
+            if key in self.modules and isinstance(shapes, dict)
+            else shapes
+            for key, shapes in saved.items()
         }
+
+    def param_groups(self) -> dict[str, list[dict[str, Any]]]:
+        """Every optimizer's param-group values (all but ``params``), copied."""
+        return {
+            key: [{k: _plain(v) for k, v in g.items() if k != "params"} for g in optim.param_groups]
+            for key, (optim, _) in self.optimizers.items()
+        }
+
+    def keep_param_groups(self, constructed: dict[str, list[dict[str, Any]]]) -> None:
+        """Put the constructed param-group values back after a load (``param_groups=
+        "constructed"``).
+
+        A scheduler-driven group (it has ``initial_lr``) keeps the checkpoint's place in
+        the schedule: its ``lr`` is scaled by new / old ``initial_lr`` and the
+        schedulers in the state that drive the optimizer get the new base lr (exact for
+        schedulers computed from their base lrs, such as ``LambdaLR``, which
+        ``transformers``' ``get_*_schedule_with_warmup`` return).
+        """
+        for key, groups in constructed.items():
+            optim = self.optimizers[key][0]
+            for index, (mine, group) in enumerate(zip(groups, optim.param_groups)):
+                old_base = group.get("initial_lr")
+                for name, value in mine.items():
+                    if name == "lr" and "initial_lr" in mine:
+                        continue
+                    current = group.get(name)
+                    if isinstance(current, torch.Tensor):
+                        current.copy_(torch.as_tensor(value, dtype=current.dtype))
+                    else:
+                        group[name] = tuple(value) if isinstance(current, tuple) else value
+                new_base = mine.get("initial_lr")
+                if new_base is not None and old_base and float(old_base) != float(new_base):
+                    group["lr"] = float(group["lr"]) * float(new_base) / float(old_base)
+                    for obj in self.statefuls.values():
+                        if getattr(obj, "optimizer", None) is optim:
+                            _set_base_lr(obj, index, float(new_base))
+            for obj in self.statefuls.values():
+                if getattr(obj, "optimizer", None) is optim and hasattr(obj, "_last_lr"):
+                    obj._last_lr = [g["lr"] for g in optim.param_groups]
 
     def local_bytes(self) -> int:
         """Bytes of tensor data this rank holds for the state (for save-time estimates)."""
@@ -192,6 +281,46 @@ class AppState:
                 for value in per_param.values():
                     total += _local_nbytes(value)
         return total
+
+
+def _plain(value: Any) -> Any:
+    """A param-group value comparable with ``==`` (tensors as numbers, tuples as lists)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _set_base_lr(scheduler: Any, index: int, lr: float) -> None:
+    """Set group ``index``'s base lr of a scheduler and of the ones it chains (SequentialLR)."""
+    base = getattr(scheduler, "base_lrs", None)
+    if isinstance(base, list) and index < len(base):
+        base[index] = lr
+    for inner in getattr(scheduler, "_schedulers", []) or []:
+        _set_base_lr(inner, index, lr)
+
+
+def param_group_changes(
+    constructed: dict[str, list[dict[str, Any]]], loaded: dict[str, list[dict[str, Any]]]
+) -> list[str]:
+    """The param-group values a load replaced: ``"optim group 0: lr 0.003 -> 0.002"``. Pure.
+
+    ``lr`` of a scheduler-driven group (it has ``initial_lr``) is the scheduler's place
+    in its schedule, not a setting: its ``initial_lr`` is compared instead.
+    """
+    out = []
+    for key, groups in constructed.items():
+        for index, (mine, theirs) in enumerate(zip(groups, loaded.get(key, []))):
+            for name, value in mine.items():
+                if name == "lr" and "initial_lr" in mine:
+                    continue
+                if name in theirs and theirs[name] != value:
+                    out.append(
+                        f"{key} group {index}: {name} {value!r} (constructed) -> "
+                        f"{theirs[name]!r} (checkpoint)"
+                    )
+    return out
 
 
 def _scalar_dtype(fused: bool) -> torch.dtype:

@@ -5,6 +5,9 @@ into the state dict and manifest record of one step, and keeps what must carry f
 save to save: the models' shapes (the shape check on resume), the per-rank tensor
 paths (:mod:`ckpt.per_rank`: detected by comparing across ranks, or declared) and each
 sampler's last data position (the guard against a forgotten ``sampler.advance()``).
+The record also names tied parameters (``tied``: stored once, :mod:`ckpt.names`) and a
+``transformers`` model's config (``hf``, :mod:`ckpt.hf`). At the first save it says at
+WARNING when a data position moved that is in no manager's state (``runcore.positions``).
 The manager decides when to save; this decides what.
 """
 
@@ -18,7 +21,9 @@ from ckpt import dist as _dist
 from ckpt import per_rank
 from ckpt.app_state import AppState
 from ckpt.errors import DataPositionError
+from ckpt.hf import HF_RECORD_KEY, pretrained_record
 from ckpt.rng import RNG_STATE_KEY, capture_rng, rng_device, rng_key
+from runcore import positions as _positions
 
 logger = logging.getLogger("ckpt.manager")  # the manager's messages: one logger to filter
 
@@ -54,6 +59,10 @@ class StateCapture:
         self._param_paths: set[str] | None = None
         self._data_marks: dict[str, tuple[int, int]] = {}
         """Per sampler key: (step, cursor) at the last save or resume (advance() guard)."""
+        self._hf: dict[str, Any] | None = None
+        self._captured_once = False
+        for sampler in self.data_positions().values():
+            _positions.claim(sampler)
 
     def capture(self, step: int, *, reuse_shapes: bool = False) -> Captured:
         """The state dict (RNG included) and manifest metadata of ``step``; the fresh optimizers.
@@ -63,6 +72,15 @@ class StateCapture:
         parameters keep their shapes; ``module.state_dict()`` costs ~1 ms per call).
         """
         positions = self._check_data_progress(step)
+        if not self._captured_once:
+            self._captured_once = True
+            self._say_unsaved_positions(step)
+        if self._hf is None:
+            self._hf = {}
+            for key, module in self.app.modules.items():
+                record = pretrained_record(module)
+                if record is not None:
+                    self._hf[key] = record
         if not reuse_shapes or self._shapes is None:
             self._shapes = self.app.tensor_shapes()
         fresh = self.app.fresh_optimizers()
@@ -80,9 +98,25 @@ class StateCapture:
                 "shapes": self._shapes,
                 "per_rank": sorted(self.per_rank_paths),
                 **({"data_position": positions} if positions else {}),
+                **({"tied": self.app.aliases} if self.app.aliases else {}),
+                **({HF_RECORD_KEY: self._hf} if self._hf else {}),
             },
         }
         return state, meta, fresh
+
+    def _say_unsaved_positions(self, step: int) -> None:
+        """WARNING (rank 0) for each data position that moved but is in no manager's state."""
+        if self.rank != 0:
+            return
+        for position in _positions.unclaimed_moved():
+            cursor = int(position.data_position()["cursor"])
+            logger.warning(
+                "rank 0 step %d: a %s at sample cursor %d is in no checkpoint manager's "
+                "state: after a restart it starts again at sample 0 and the run replays "
+                "its data. Put it in the state: CheckpointManager(root, {..., \"sampler\": "
+                "sampler})",
+                step, type(position).__name__, cursor,
+            )  # fmt: skip
 
     def detect_per_rank(self, state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Find plain tensors that differ across ranks; save them per rank (collective).
@@ -135,7 +169,7 @@ class StateCapture:
 
     def mark_resumed(self, step: int) -> None:
         """After a resume: each sampler's cursor is where ``step`` left it."""
-        for key, sampler in self._samplers().items():
+        for key, sampler in self.data_positions().items():
             self._data_marks[key] = (int(step), int(sampler.data_position()["cursor"]))
 
     def _parameter_paths(self) -> set[str]:
@@ -148,7 +182,7 @@ class StateCapture:
             }
         return self._param_paths
 
-    def _samplers(self) -> dict[str, Any]:
+    def data_positions(self) -> dict[str, Any]:
         """Stateful data positions in the state (``elastic.ElasticSampler``: ``data_position()``)."""
         return {
             key: obj
@@ -164,7 +198,7 @@ class StateCapture:
         Returns each sampler's data position for the manifest.
         """
         positions = {}
-        for key, sampler in self._samplers().items():
+        for key, sampler in self.data_positions().items():
             position = sampler.data_position()
             last_step, last_cursor = self._data_marks.get(key, (0, 0))
             if step > last_step and int(position["cursor"]) == last_cursor:

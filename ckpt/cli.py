@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from ckpt import ownership
@@ -22,13 +23,21 @@ from ckpt.layout import (
     QUARANTINE_MARKER_NAME,
     parse_checkpoint_dirname,
 )
+from ckpt.lease import read_lease
 from ckpt.manifest import MAX_MANIFEST_BYTES, Manifest
 from ckpt.quarantine import parse_quarantined_dirname, record_matches
 from ckpt.quarantine import read_record as read_quarantine_record
 from ckpt.reader import ShardReader
 from ckpt.retention import RetentionPolicy, apply_retention
 from ckpt.storage import DIR, Storage
-from ckpt.verify import MODE_CHECKSUM, MODE_DEEP, MODE_FAST, VerifyReport, verify_dir
+from ckpt.verify import (
+    MODE_CHECKSUM,
+    MODE_DEEP,
+    MODE_FAST,
+    VerifyReport,
+    non_finite_tensors,
+    verify_dir,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -86,6 +95,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ]
         print(json.dumps(rows, indent=1))
         return EXIT_OK
+    lease = read_lease(catalog.storage)
+    if lease is not None:
+        now = time.time()
+        state = "expired" if lease.expired(now) else "held"
+        print(f"owner lease ({state}): {shown(lease.describe(now))}")
     if not infos and not aside and not foreign:
         print(f"no checkpoints under {args.url}")
         return EXIT_OK
@@ -170,8 +184,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"FAIL  {info.url}: not committed ({info.status}): {shown(info.reason)}")
         return EXIT_FAILED
     report = _verify_as_resume_would(storage.child(info.dirname), info.manifest, mode)
+    if report.ok and args.finite:
+        try:
+            bad = non_finite_tensors(storage.child(info.dirname), info.manifest)
+        except CheckpointError as exc:
+            report.problems.append(("", f"values not readable: {exc}"))
+        else:
+            report.problems += [
+                (key, f"{nans} NaN and {infs} infinite values") for key, (nans, infs) in bad.items()
+            ]
     if not report.ok:
-        print(f"FAIL  {info.url} (step {info.step}, {mode}):")
+        print(f"FAIL  {info.url} (step {info.step}, {mode}{', finite' if args.finite else ''}):")
         for path, why in report.problems:
             print(f"      {shown(path)}: {shown(why)}")
         return EXIT_FAILED
@@ -187,7 +210,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print(
         f"{verdict} {info.url} (step {info.step}, {mode}: {report.files_checked} files, "
         f"{human_bytes(info.manifest.total_bytes)}, {report.crc_checked} crc32c checked, "
-        f"{human_bytes(report.bytes_checked)} read)"
+        f"{human_bytes(report.bytes_checked)} read"
+        f"{'; every floating tensor finite' if args.finite else ''})"
     )
     return EXIT_OK
 
@@ -265,13 +289,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    storage = Storage(args.url)
+    catalog = Catalog(Storage(args.url))  # one listing, each manifest read once
     verb = "would delete" if args.dry_run else "deleted"
     if args.keep_last is None:
-        return _gc_quarantined(storage, args, verb)
-    _gc_quarantined(storage, args, verb)
+        return _gc_quarantined(catalog, args, verb)
+    _gc_quarantined(catalog, args, verb)
     policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
-    plan = apply_retention(storage, policy, dry_run=args.dry_run)
+    plan = apply_retention(catalog.storage, policy, dry_run=args.dry_run, catalog=catalog)
     for step in plan.keep:
         print(f"keep          step {step:>10}  ({plan.reasons.get(step, '')})")
     for step in (*plan.delete, *plan.delete_partial):
@@ -290,13 +314,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _gc_quarantined(storage: Storage, args: argparse.Namespace, verb: str) -> int:
+def _gc_quarantined(catalog: Catalog, args: argparse.Namespace, verb: str) -> int:
     """Delete quarantined checkpoints (``--quarantined``), or say how many are kept.
 
     Only a directory whose QUARANTINED record names it (step and stamp) and whose files
     are all this library's is deleted (:mod:`ckpt.ownership`); others are said and kept.
     """
-    catalog = Catalog(storage)
+    storage = catalog.storage
     aside = [(q.dirname, q.step, q.reason) for q in catalog.quarantined()]
     aside += [(i.dirname, i.step, i.reason) for i in catalog if i.status == QUARANTINED]
     if not args.quarantined:
@@ -418,6 +442,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read every file and check its crc32c, even where the backend reports one",
     )
+    p.add_argument(
+        "--finite",
+        action="store_true",
+        help="also read and decode every floating tensor (each item checked against its "
+        "crc32c) and fail, naming them, if any holds NaN or inf. Off by default: it "
+        "downloads every tensor (a save never commits non-finite values, so this is for "
+        "checkpoints from elsewhere or saved with allow_non_finite)",
+    )
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("inspect", help="manifest summary: step, world size, bytes, tensors")
@@ -482,7 +514,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help='JSON file {"our.name": "their.name", "dropped.name": null}; unlisted names stay',
     )
-    p.add_argument("--config", metavar="FILE", help="safetensors: copy FILE as OUT/config.json")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="safetensors: copy FILE as OUT/config.json (default: the config and generation "
+        "config the checkpoint recorded for a transformers model; without either, a warning: "
+        "from_pretrained needs a config.json)",
+    )
     p.set_defaults(func=cmd_export)
     return parser
 

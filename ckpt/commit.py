@@ -26,7 +26,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt import async_save as _async
-from ckpt import env, ownership
+from ckpt import env, finite, ownership
 from ckpt.checksum import crc32c_of
 from ckpt.discovery import RENAMED, Catalog, inspect_dir
 from ckpt.dist import Collective
@@ -44,6 +44,7 @@ from ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
     FencedError,
+    NonFiniteStateError,
     SaveFailedError,
     UnsupportedStateError,
 )
@@ -114,6 +115,8 @@ def save(
     retention: RetentionPolicy | None = None,
     async_save: bool = False,
     overlap_staging: Any = None,
+    allow_non_finite: bool | Sequence[str] = False,
+    root_guard: Callable[[], None] | None = None,
     _saver: _async.AsyncSaver | None = None,
 ) -> str | _async.PendingSave:
     """Write and commit ``root/checkpoint_{step:07d}/``; return its URL.
@@ -142,6 +145,16 @@ def save(
     promises that nothing but those optimizers' ``step()`` changes the state's
     tensors in place until then (``PendingSave.wait_staged()`` waits explicitly).
 
+    Floating tensors are looked at as they are checksummed (:mod:`ckpt.finite`): a
+    save holding a NaN or an infinity is not committed
+    (:class:`~ckpt.errors.NonFiniteStateError`, naming the tensors), unless
+    ``allow_non_finite`` exempts them (``True``, or ``fnmatch`` patterns of the keys,
+    e.g. ``["model.*.mask"]`` for a ``-inf`` mask buffer).
+
+    ``root_guard``: called by the coordinator before anything is written and again just
+    before COMPLETE; it raises to stop the save (a ``CheckpointManager`` checks there that
+    the root is still the one its job owns, :mod:`ckpt.lease`).
+
     Raises :class:`~ckpt.errors.CheckpointExistsError` if the step is already
     committed, :class:`~ckpt.errors.FencedError` if a newer attempt committed,
     :class:`~ckpt.errors.SaveFailedError` (or a storage error) if any rank failed;
@@ -153,6 +166,7 @@ def save(
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     optimizers = _optimizers(overlap_staging, async_save)
+    allow = finite.check_allow(allow_non_finite)
     # Refused before anything is written, on every rank alike: the outcome travels with
     # the protocol's first collective (a rank raising alone would leave its peers waiting).
     try:
@@ -185,6 +199,8 @@ def save(
             blocking_s=blocking_s,
             saver=saver,
             state_error=state_error,
+            allow_non_finite=allow,
+            root_guard=root_guard,
         )
 
     if not async_save:
@@ -220,6 +236,8 @@ def _save_staged(
     blocking_s: float | None,
     saver: _async.AsyncSaver,
     state_error: str = "",
+    allow_non_finite: bool | Sequence[str] = False,
+    root_guard: Callable[[], None] | None = None,
 ) -> str:
     """The save protocol (module docstring) on ``state``; on the caller's or the save thread.
 
@@ -246,7 +264,12 @@ def _save_staged(
     )
     started_at = min(float(p["started_at"]) for p in peers)
 
-    coll.on_coordinator(f"preparing {url}", lambda: _prepare(storage, dirname, attempt, started_at))
+    def prepare() -> None:
+        if root_guard is not None:
+            root_guard()  # before anything is written under the root
+        _prepare(storage, dirname, attempt, started_at)
+
+    coll.on_coordinator(f"preparing {url}", prepare)
 
     writer = ShardWriter(ckpt_dir)
     writer.save_id = attempt.save_id
@@ -274,8 +297,14 @@ def _save_staged(
     local_files = (
         [(r.path, r.size, r.crc32c) for r in writer.records],
         writer.chunks,
+        writer.non_finite,
     )
     gathered = coll.all_gather(local_files)
+    refusal = _non_finite_refusal(url, step, [nf for _, _, nf in gathered], allow_non_finite)
+    if refusal is not None:  # every rank decides the same from what it gathered
+        if coll.is_coordinator:
+            _remove_failed_save(storage, dirname)
+        raise refusal
 
     def commit() -> int:
         manifest = Manifest(
@@ -288,15 +317,21 @@ def _save_staged(
             ],
             torch_version=torch.__version__,
             files=sorted(
-                (FileEntry(path=p, size=s, crc32c=c) for files, _ in gathered for p, s, c in files),
+                (
+                    FileEntry(path=p, size=s, crc32c=c)
+                    for files, _, _ in gathered
+                    for p, s, c in files
+                ),
                 key=lambda e: e.path,
             ),
-            chunks={path: items for _, chunks in gathered for path, items in chunks.items()},
+            chunks={path: items for _, chunks, _ in gathered for path, items in chunks.items()},
             metadata=dict(metadata or {}),
         )
         manifest_bytes = manifest.to_bytes()
         ckpt_dir.write_bytes(MANIFEST_NAME, manifest_bytes, phase="manifest")
         _check_fence(storage, attempt, step, started_at)
+        if root_guard is not None:
+            root_guard()  # the root may have been replaced while the shards were written
         marker = CompleteMarker(
             step=step,
             attempt=attempt,
@@ -403,6 +438,25 @@ def _prepare(storage: Storage, dirname: str, attempt: Attempt, started_at: float
             attempt.run_id, attempt.restart_count, attempt.save_id, socket.gethostname()
         ),
         phase="attempt",
+    )
+
+
+def _non_finite_refusal(
+    url: str, step: int, per_rank: list[list[str]], allow: bool | Sequence[str]
+) -> NonFiniteStateError | None:
+    """The error when a rank wrote a non-finite tensor that ``allow`` does not exempt."""
+    found: dict[str, list[int]] = {}
+    for rank, keys in enumerate(per_rank):
+        for key in finite.refused(keys, allow):
+            found.setdefault(key, []).append(rank)
+    if not found:
+        return None
+    return NonFiniteStateError(
+        f"step {step} was not committed to {url}: {len(found)} tensor(s) hold NaN or infinite "
+        f"values: {finite.describe(found)}. A diverged state never becomes the newest "
+        "checkpoint; the newest committed one is unchanged. If these values are meant to be "
+        "non-finite (a -inf mask buffer), exempt them with allow_non_finite=[patterns]",
+        found,
     )
 
 

@@ -15,7 +15,9 @@ operation lists the root once into a :class:`Catalog` and passes it down.
 Everything read here is untrusted input: COMPLETE and manifest.json are read with size
 limits and parsed with checks; an entry named like a checkpoint that is not a directory
 (a plain file, a symbolic link, which is never followed) is *foreign*
-(:meth:`Catalog.foreign`): listed, never read through, never deleted.
+(:meth:`Catalog.foreign`): listed, never read through, never deleted. The root's owner
+lease records (:func:`ckpt.layout.is_lease_name`) are not checkpoints and are not listed
+here (``python -m ckpt ls`` shows the lease itself).
 """
 
 from __future__ import annotations

@@ -37,18 +37,29 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 T = TypeVar("T")
 
 
-def new_checkpoint_group(timeout_s: float | None = None) -> Any:
+def new_checkpoint_group(
+    timeout_s: float | None = None, *, setup_timeout_s: float | None = None
+) -> Any:
     """A new gloo group over every rank for checkpoint collectives (collective call).
 
     ``timeout_s`` defaults to ``CKPT_COLLECTIVE_TIMEOUT_S`` (600 s): how long a rank
-    waits in a checkpoint collective for a dead peer. A ``CheckpointManager`` creates
-    one for itself; the module-level ``ckpt.save``/``ckpt.load`` share a cached one.
+    waits in a checkpoint collective for a dead peer. ``setup_timeout_s`` (None: the
+    same) bounds the creation itself, where every rank waits for the others to arrive:
+    a caller that knows its job's bound for a dead peer passes it, and the group then
+    gets ``timeout_s`` for its collectives. A ``CheckpointManager`` creates one for
+    itself; the module-level ``ckpt.save``/``ckpt.load`` share a cached one.
     """
     if timeout_s is None:
         timeout_s = env.get_float(
             ENV_COLLECTIVE_TIMEOUT_S, DEFAULT_COLLECTIVE_TIMEOUT_S, positive=True
         )
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    if setup_timeout_s is not None and not setup_timeout_s > 0:
+        raise ValueError(f"setup_timeout_s must be > 0 seconds, got {setup_timeout_s!r}")
+    setup_s = timeout_s if setup_timeout_s is None else min(setup_timeout_s, timeout_s)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=setup_s))
+    if setup_s < timeout_s:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
+    return group
 
 
 def _checkpoint_group() -> Any:

@@ -8,12 +8,11 @@ project; :data:`VARIABLES` is this package's part of it.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
 from collections.abc import Mapping
-
-from ckpt.fault_spec import parse_storage_faults
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +28,12 @@ COLLECTIVE_TIMEOUT_S = "CKPT_COLLECTIVE_TIMEOUT_S"
 SAVE_BLOCK_BYTES = "CKPT_SAVE_BLOCK_BYTES"
 SAVE_THREAD_NICE = "CKPT_SAVE_THREAD_NICE"
 MEMORY_DIR = "CKPT_MEMORY_DIR"
+LEASE_TTL_S = "CKPT_LEASE_TTL_S"
+JOB_ID = "CKPT_JOB_ID"
 RUN_ID = "TORCHELASTIC_RUN_ID"
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_CLUSTER_NAME = "SLURM_CLUSTER_NAME"
 EMULATOR_HOST = "STORAGE_EMULATOR_HOST"
 GCSFS_HNS = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
 
@@ -43,8 +46,12 @@ VARIABLES: dict[str, str] = {
     SAVE_BLOCK_BYTES: "tensor shards above this many bytes are saved as row blocks (8 MiB)",
     SAVE_THREAD_NICE: "nice value of the background save thread (default 19; 0 disables)",
     MEMORY_DIR: "where the memory tier keeps its snapshots (default /dev/shm/ckpt-memory-<uid>; must be this user's)",
+    LEASE_TTL_S: "seconds a root's owner lease lives without renewal (default 60; 0: no lease)",
+    JOB_ID: "names the job for the root's owner lease: its relaunches take the lease over at once",
     RUN_ID: "set by torchrun: the run id recorded in each checkpoint's writer identity",
     RESTART_COUNT: "set by torchrun: the restart count recorded with the run id",
+    SLURM_JOB_ID: "set by Slurm: a requeued job keeps it, so it keeps its root's lease",
+    SLURM_CLUSTER_NAME: "set by Slurm: qualifies SLURM_JOB_ID in the lease's job identity",
     EMULATOR_HOST: "a GCS emulator's URL: gs:// goes there, anonymously",
     GCSFS_HNS: "set to false (when unset) for the emulator, which lacks gcsfs' HNS calls",
 }
@@ -122,10 +129,29 @@ def run_identity(env: Mapping[str, str] | None = None) -> tuple[str, int]:
     return get_str(RUN_ID, "local", env), get_int(RESTART_COUNT, 0, minimum=0, env=env)
 
 
+DEFAULT_LEASE_TTL_S = 60.0
+
+
+def lease_ttl_s(env: Mapping[str, str] | None = None) -> float:
+    """``CKPT_LEASE_TTL_S``: seconds an owner lease lives unrenewed (0: no lease)."""
+    return get_float(LEASE_TTL_S, DEFAULT_LEASE_TTL_S, minimum=0.0, maximum=86400.0, env=env)
+
+
+def job_names(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables that name the job (set ones only): ``CKPT_JOB_ID``, ``SLURM_JOB_ID``
+    (with ``SLURM_CLUSTER_NAME``) and torchrun's run id."""
+    source = _source(env)
+    names = {JOB_ID: source.get(JOB_ID, ""), SLURM_JOB_ID: source.get(SLURM_JOB_ID, "")}
+    names[SLURM_CLUSTER_NAME] = source.get(SLURM_CLUSTER_NAME, "")
+    names[RUN_ID] = source.get(RUN_ID, "")
+    return {k: v.strip() for k, v in names.items() if v.strip()}
+
+
 def validate(env: Mapping[str, str] | None = None) -> None:
     """Parse every ``CKPT_*`` variable now, as its reader will (``ValueError`` naming the
-    first bad one), and say at WARNING which ``CKPT_*`` names this library does not know
-    (a typo leaves a setting silently at its default).
+    first bad one; ``CKPT_STORAGE_FAULTS`` is parsed by the fault registry a manager
+    builds, :func:`ckpt.faults.check_env`), and say at WARNING which ``CKPT_*`` names this library does not know
+    (a name close to a known one: a typo leaves a setting silently at its default).
 
     A :class:`~ckpt.manager.CheckpointManager` calls it when built, so that a bad value
     stops a job before it trains, not at its first save.
@@ -137,11 +163,13 @@ def validate(env: Mapping[str, str] | None = None) -> None:
     get_float(COLLECTIVE_TIMEOUT_S, 600.0, positive=True, env=source)
     get_int(SAVE_BLOCK_BYTES, 8 << 20, minimum=1, env=source)
     get_int(SAVE_THREAD_NICE, 19, minimum=0, maximum=19, env=source)
-    parse_storage_faults(get_str(STORAGE_FAULTS, "", source))
-    unknown = sorted(n for n in source if n.startswith("CKPT_") and n not in VARIABLES)
-    if unknown:
-        logger.warning(
-            "ckpt: unknown environment variable(s) %s (known: %s): ignored",
-            ", ".join(unknown),
-            ", ".join(sorted(n for n in VARIABLES if n.startswith("CKPT_"))),
-        )
+    lease_ttl_s(source)
+    known = sorted(n for n in VARIABLES if n.startswith("CKPT_"))
+    for name in sorted(n for n in source if n.startswith("CKPT_") and n not in VARIABLES):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if close:  # a typo leaves the setting at its default; other CKPT_* names are yours
+            logger.warning(
+                "ckpt: environment variable %s is not one ckpt reads (did you mean %s?): ignored",
+                name,
+                close[0],
+            )

@@ -6,9 +6,15 @@ says what to do. Catch :class:`CheckpointError` to handle any of them
 Every exception ``ckpt`` raises on purpose is defined here (the transport-level
 ``OSError`` stand-ins of fault injection and the gs:// client stay next to their code:
 the storage layer turns them into :class:`StorageError`).
+
+:class:`StateMismatchError` (and so :class:`CheckpointShapeError`), :class:`DataPositionError`
+and :class:`StateSpecError` are deterministic (``runcore.errors.DeterministicError``): the
+same script on the same checkpoint raises them again, so a restart cannot help.
 """
 
 from __future__ import annotations
+
+from runcore.errors import DeterministicError
 
 
 class CheckpointError(Exception):
@@ -81,7 +87,7 @@ class NoLoadableCheckpointError(CheckpointError):
         self.reasons = reasons
 
 
-class StateMismatchError(CheckpointError):
+class StateMismatchError(CheckpointError, DeterministicError):
     """The state to load does not match the checkpoint (missing key, other shape).
 
     Falling back to an older checkpoint cannot fix this, so load raises it at once.
@@ -111,11 +117,32 @@ class CheckpointDirError(CheckpointError):
     """The checkpoint root cannot be created, listed or reached (bad URL, permissions, bucket)."""
 
 
+class NonFiniteStateError(SaveFailedError):
+    """A save found NaN or infinite values in floating tensors: it was not committed.
+
+    A diverged state must never become the newest checkpoint (retention would then delete
+    the last sound ones). ``keys`` maps each tensor's key to the ranks that held it.
+    """
+
+    def __init__(self, message: str, keys: dict[str, list[int]] | None = None) -> None:
+        super().__init__(message)
+        self.keys = dict(keys or {})
+
+
+class RootLeaseError(CheckpointDirError):
+    """Another job holds the root's owner lease: refused before any training (``ckpt.lease``)."""
+
+
+class RootChangedError(SaveFailedError):
+    """The root is no longer the one this job owns (deleted, replaced, unmounted, or its
+    lease taken over): a save refuses to write there (``ckpt.lease``)."""
+
+
 class CheckpointShapeError(StateMismatchError):
     """The newest checkpoint was written for objects of other shapes (another model)."""
 
 
-class DataPositionError(CheckpointError):
+class DataPositionError(CheckpointError, DeterministicError):
     """A save where training steps advanced but the data position (sampler cursor) did not."""
 
 
@@ -123,7 +150,7 @@ class ExportError(CheckpointError):
     """The export cannot be done as asked (bad input, existing output, wrong checkpoint)."""
 
 
-class StateSpecError(TypeError):
+class StateSpecError(TypeError, DeterministicError):
     """A value in the manager's state dict cannot be checkpointed as given (a ``TypeError``)."""
 
 

@@ -13,6 +13,13 @@ writes the model part only (the tensors under ``<model_key>.`` in DCP's
   JSON header and raw little-endian bytes): no runtime dependency on ``safetensors``.
 - ``torch`` (OUT is a file): one ``torch.save`` of a flat ``{name: tensor}`` dict.
 
+Hugging Face conventions (safetensors): tied parameters are stored once in a manager's
+checkpoint (:mod:`ckpt.names`), so they are exported once, under the name
+``save_pretrained`` keeps; the ``config.json`` and ``generation_config.json`` a manager
+recorded for a ``transformers`` model (:mod:`ckpt.hf`) are written beside the weights,
+unless ``config`` gives a file; with neither, a WARNING says that ``from_pretrained``
+needs a config and how to give one.
+
 Guarantees:
 
 - Only a committed checkpoint exports: partial, quarantined or unverifiable ones
@@ -68,12 +75,14 @@ from ckpt.backends.local import LocalSink
 from ckpt.checksum import crc32c_of
 from ckpt.discovery import COMMITTED, resolve
 from ckpt.errors import CorruptCheckpointError, ExportError
+from ckpt.hf import CONFIG_FILE, pretrained_files
 from ckpt.layout import DCP_METADATA_NAME
 from ckpt.manifest import Manifest
 from ckpt.quarantine import parse_quarantined_dirname
 from ckpt.reader import ShardReader
 from ckpt.storage import Storage, crc32c_of_object
 from ckpt.tensorblob import view_tensor
+from ckpt.tiers import manager_record
 from ckpt.verify import MODE_FAST, VerifyReport, verify_dir
 
 logger = logging.getLogger(__name__)
@@ -85,7 +94,7 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 """As ``transformers``' ``save_pretrained``: decimal units (5GB = 5 * 10**9 bytes)."""
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
+CONFIG_NAME = CONFIG_FILE
 PROGRESS_EVERY_S = 2.0
 
 DTYPES: dict[str, torch.dtype] = {
@@ -729,6 +738,35 @@ def _check_files(report: VerifyReport, tensors: list[TensorPlan]) -> None:
     )
 
 
+def pretrained_side_files(
+    manifest: Manifest, model_key: str, dtype: torch.dtype | None, config: str | None, out: str
+) -> dict[str, bytes]:
+    """The recorded ``config.json`` / ``generation_config.json`` to write next to the weights.
+
+    A ``config`` file given by the caller replaces the recorded config. Without either,
+    a WARNING says that ``from_pretrained`` needs one and how to give it.
+    """
+    files = pretrained_files(manager_record(manifest.metadata), model_key, dtype)
+    if config is not None:
+        files.pop(CONFIG_NAME, None)
+    elif CONFIG_NAME not in files:
+        logger.warning(
+            "ckpt export: %s gets no %s: transformers' from_pretrained needs one (without it "
+            "it fails with \"should have a `model_type` key\"). Export again with --config "
+            "config.json (model.config.save_pretrained(DIR) writes it), or checkpoint the "
+            "transformers model itself with CheckpointManager, which records its config for "
+            "export",
+            out, CONFIG_NAME,
+        )  # fmt: skip
+    return files
+
+
+def _write_side_files(directory: str, files: dict[str, bytes]) -> list[str]:
+    for name, body in files.items():
+        _write_file(os.path.join(directory, name), lambda sink, body=body: sink.write(body))
+    return sorted(files)
+
+
 def load_rename_table(path: str) -> dict[str, str | None]:
     """A JSON rename table ``{"our.name": "their.name", "dropped.name": null}``."""
     try:
@@ -765,7 +803,9 @@ def export(
     (safetensors) or file (torch). ``dtype`` (``"bf16"``, ``"fp16"``, ``"fp32"``) casts
     floating tensors; ``max_shard_size`` (safetensors, default ``"5GB"``) bounds each
     file; ``rename`` maps our names to yours (a callable or a dict; None drops a
-    tensor); ``config`` is a ``config.json`` to copy next to the weights (safetensors).
+    tensor); ``config`` is a ``config.json`` to copy next to the weights (safetensors;
+    default: the one the manager recorded for a ``transformers`` model, which also
+    brings its ``generation_config.json``; with neither, a WARNING).
     ``progress``: a stream for progress lines (the CLI passes stderr). Single process;
     no collectives. See the module docstring for what is verified and the atomicity.
     """
@@ -808,6 +848,11 @@ def export(
             model_key,
             ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""),
         )
+    side_files = (
+        pretrained_side_files(manifest, model_key, out_dtype, config, target)
+        if format == FORMAT_SAFETENSORS
+        else {}
+    )
     total = sum(t.nbytes for t in tensors)
     meter = _Progress(progress, len(tensors), total)
     source = _ChunkSource(ckpt_dir, manifest)
@@ -820,6 +865,7 @@ def export(
                 with open(os.path.join(tmp, CONFIG_NAME), "rb+") as handle:
                     os.fsync(handle.fileno())
                 files.append(CONFIG_NAME)
+            files.extend(_write_side_files(tmp, side_files))
             _fsync_dir(tmp)
         else:
             _write_torch(tmp, tensors, source, url, meter)

@@ -239,6 +239,63 @@ class GcsClient:
         except FileNotFoundError:
             pass
 
+    def upload_if_generation(
+        self, bucket: str, name: str, data: bytes, generation: int
+    ) -> dict[str, Any]:
+        """``objects.insert`` of a small object only if its generation is ``generation``
+        (0: only if it does not exist); a multipart upload, the kind whose precondition the
+        emulator honours too. Another generation: ``GcsHttpError`` 412."""
+        boundary = uuid.uuid4().hex
+        head = (
+            f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
+            f"{json.dumps({'name': name})}\r\n--{boundary}\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        body = head + data + f"\r\n--{boundary}--\r\n".encode()
+        url = (
+            f"/upload/storage/v1/b/{quote(bucket, safe='')}/o?uploadType=multipart"
+            f"&ifGenerationMatch={int(generation)}"
+        )
+        headers = {
+            "Content-Type": f"multipart/related; boundary={boundary}",
+            "Content-Length": str(len(body)),
+        }
+        raw = self._request("POST", url, body=body, headers=headers)
+        return json.loads(raw or b"{}")
+
+    def get_with_generation(self, bucket: str, name: str, max_bytes: int) -> tuple[bytes, int]:
+        """A small object's bytes and its generation (``x-goog-generation``); 404:
+        ``FileNotFoundError``; larger than ``max_bytes``: ``ValueError``."""
+        conn = self._connection()
+        try:
+            url = self._object_url(bucket, name) + "?alt=media"
+            conn.request("GET", url, headers=self._headers({}))
+            response = conn.getresponse()
+            data = response.read(max_bytes + 1)
+            if response.status == 404:
+                raise FileNotFoundError(f"GET {url}: 404")
+            if response.status != 200:
+                raise GcsHttpError(response.status, f"GET {url}: {data[:500]!r}")
+            if len(data) > max_bytes:
+                raise ValueError(f"gs://{bucket}/{name} is larger than {max_bytes} bytes")
+            return data, int(response.getheader("x-goog-generation") or 0)
+        except http.client.HTTPException as exc:
+            raise ConnectionResetError(f"GET {name}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            conn.close()
+
+    def delete_if_generation(self, bucket: str, name: str, generation: int) -> None:
+        """``objects.delete`` only if the object is at ``generation``; another generation
+        (412) or none (404) leaves things as they are."""
+        url = self._object_url(bucket, name) + f"?ifGenerationMatch={int(generation)}"
+        try:
+            self._request("DELETE", url, ok=(200, 204))
+        except FileNotFoundError:
+            pass
+        except GcsHttpError as exc:
+            if exc.code != 412:
+                raise
+
     def read_into(self, bucket: str, name: str, start: int, into: memoryview) -> None:
         """Bytes ``[start, start + len(into))`` of the object, into ``into``."""
         end = start + into.nbytes - 1

@@ -22,6 +22,15 @@ ATTEMPT_NAME = "ATTEMPT"
 """Written by a save's coordinator before any shard: which run and attempt the directory
 belongs to (JSON), so that only a dead attempt's leftovers are ever cleared."""
 
+PROBE_PREFIX = ".probe-"
+"""Name prefix of a root check's write probe (:mod:`ckpt.root_check`), removed at once."""
+LEASE_NAME = "OWNER"
+"""The root's owner lease (:mod:`ckpt.lease`): one object ``OWNER`` on an object store;
+records ``OWNER.<generation>`` (10 digits) on a local filesystem, published from
+``.OWNER.tmp-*`` files. Never a checkpoint, never deleted by retention or ``gc``."""
+LEASE_TMP_PREFIX = ".OWNER.tmp-"
+LEASE_RECORD_RE = re.compile(r"^OWNER\.(\d{10})$")
+
 _CHECKPOINT_DIR_RE = re.compile(r"^checkpoint_(\d{7,})$")
 _SHARD_RE = re.compile(r"^rank_\d{5,}\.distcp$")
 
@@ -57,3 +66,12 @@ def join_url(base: str, *parts: str) -> str:
         if part:
             out = f"{out}/{part}" if out not in ("", "/") else f"{out}{part}"
     return out
+
+
+def is_lease_name(name: str) -> bool:
+    """Whether ``name`` (an entry directly under a root) belongs to the owner lease."""
+    return (
+        name == LEASE_NAME
+        or LEASE_RECORD_RE.match(name) is not None
+        or name.startswith(LEASE_TMP_PREFIX)
+    )

@@ -29,19 +29,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from ckpt import dist as _dist
-from ckpt import env
+from ckpt import env as _env
+from ckpt import finite
 from ckpt import root_check as _root_check
 from ckpt.app_state import AppState
 from ckpt.capture import StateCapture
 from ckpt.discovery import Catalog
 from ckpt.errors import CheckpointError
 from ckpt.faults import FaultRegistry, parse_storage_faults
+from ckpt.lease import JobIdentity, RootLease, take_lease
 from ckpt.memory import MemorySnapshots, MemoryTier
 from ckpt.memory.snapshots import take_snapshot
 from ckpt.resume import ResumeInfo, ResumeWalk
@@ -58,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 EventCallback = Callable[..., None]
 """``on_event(name, step, **fields)``: the signature of a run recorder's ``event``."""
+PARAM_GROUPS = ("checkpoint", "constructed")
+"""``param_groups=``: whose optimizer settings a resume keeps (see the class docstring)."""
 
 
 class CheckpointManager:
@@ -98,8 +102,34 @@ class CheckpointManager:
     every rank at the same step, and a failed ``final`` save raises it at once: a job
     must not train on, or exit 0, without a checkpoint. A commit resets the count.
 
+    Optimizer settings: a resume loads each optimizer's param groups from the checkpoint
+    (torch's ``load_state_dict``), so a changed ``--lr`` or weight decay would silently
+    give way to the saved one; the values that differ are said at WARNING on rank 0.
+    ``param_groups="constructed"`` keeps the values the optimizer was built with instead
+    (a scheduler-driven ``lr`` keeps its place in the schedule, scaled to the new base
+    lr). An optimizer stepped by an LR scheduler that is not in ``state`` is said at
+    WARNING here: the schedule (its warm-up) would start over after every resume.
+
+    Non-finite values: a save whose floating tensors hold a NaN or an infinity is not
+    committed (:class:`~ckpt.errors.NonFiniteStateError`, a failed save: the policy above
+    applies), nor is such a memory snapshot, so a diverged state never becomes the newest
+    checkpoint; ``allow_non_finite`` exempts keys that hold them on purpose (``True``, or
+    ``fnmatch`` patterns such as ``["model.*.mask"]``).
+
+    One job per root: the coordinator takes the root's owner lease in :meth:`check_root`
+    (so in :meth:`resume`; else at the first save), renews it in the background every
+    ``lease_ttl_s / 4`` and releases it at :meth:`close`. Another job's fresh lease is a
+    :class:`~ckpt.errors.RootLeaseError` before any training; an expired one is taken over
+    (WARNING). Before each save writes, the root must still be the one it leased (not
+    deleted, recreated or unmounted), else :class:`~ckpt.errors.RootChangedError`, a failed
+    save. ``lease_ttl_s`` (default ``CKPT_LEASE_TTL_S``, else 60; 0: no lease); which
+    launches count as one job: :mod:`ckpt.lease`.
+
     Construct it on every rank at the same point: with a process group it creates the
-    checkpoint gloo group, which is a collective.
+    checkpoint gloo group, which is a collective; ``setup_timeout_s`` bounds how long a
+    rank waits there for the others (None: ``CKPT_COLLECTIVE_TIMEOUT_S``, 600 s, which
+    still bounds the group's collectives afterwards). A job with a bound for a dead peer
+    passes it: the trainer gives its peer timeout + 10 s.
     """
 
     def __init__(
@@ -119,6 +149,10 @@ class CheckpointManager:
         memory_every: int = 0,
         memory_dir: str | None = None,
         max_failures: int = 3,
+        param_groups: str = "checkpoint",
+        setup_timeout_s: float | None = None,
+        allow_non_finite: bool | Sequence[str] = False,
+        lease_ttl_s: float | None = None,
     ) -> None:
         if not isinstance(root, str) or not root:
             raise ValueError(f"root must be a non-empty str URL or path, got {root!r}")
@@ -129,9 +163,20 @@ class CheckpointManager:
                 f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}"
             )
         SaveFailures.validate(max_failures)
-        env.validate()  # every CKPT_* variable now, not at the first save
+        if param_groups not in PARAM_GROUPS:
+            raise ValueError(
+                f"param_groups must be one of {', '.join(PARAM_GROUPS)}, got {param_groups!r}"
+            )
+        allow_non_finite = finite.check_allow(allow_non_finite)
+        _env.validate()  # every CKPT_* variable now, not at the first save
+        ttl = _env.lease_ttl_s() if lease_ttl_s is None else float(lease_ttl_s)
+        if not (0 <= ttl <= 86400):
+            raise ValueError(
+                f"lease_ttl_s must be seconds in [0, 86400] (0: no lease), got {ttl!r}"
+            )
         self.root = root
         self.app = AppState.classify(state)
+        self.param_groups = param_groups
         self.every = every
         self.async_save = async_save
         self.rng = rng
@@ -143,7 +188,7 @@ class CheckpointManager:
         base = storage_options if storage_options is not None else StorageOptions.from_env()
         self.storage_options = _with_faults(base, self.faults)
         if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = _dist.new_checkpoint_group()
+            process_group = _dist.new_checkpoint_group(setup_timeout_s=setup_timeout_s)
         self._group = process_group
         coll = _dist.Collective(process_group)
         self.rank, self.world_size = coll.rank, coll.world_size
@@ -154,11 +199,19 @@ class CheckpointManager:
                 memory_every,
                 memory_dir=memory_dir,
                 distributed=dist.is_available() and dist.is_initialized(),
+                allow_non_finite=allow_non_finite,
             )
             if memory_every
             else None
         )
         self.last_resume: ResumeInfo | None = None
+        self._leased = ttl > 0
+        self.lease = (
+            RootLease(Storage(root, self.storage_options), JobIdentity.from_env(), ttl)
+            if self._leased and self.rank == 0
+            else None
+        )
+        """The root's owner lease (the coordinator's; None on other ranks or with no lease)."""
         self._state = StateCapture(
             self.app,
             rank=self.rank,
@@ -177,10 +230,22 @@ class CheckpointManager:
             failures=SaveFailures(max_failures, rank=self.rank, root=root, emit=self._emit),
             sink=self._sink,
             rank=self.rank,
+            allow_non_finite=allow_non_finite,
+            root_guard=self.lease.check if self.lease is not None else None,
         )
         if self.rank == 0:
             logger.warning("rank 0: checkpoints under %s: %s", root, describe_retention(retention))
+            for key in self.app.unsaved_schedulers():
+                logger.warning(
+                    "rank 0: state[%r] is stepped by an LR scheduler that is not in the "
+                    "checkpoint state: after a resume its schedule (warm-up included) starts "
+                    'over. Add the scheduler: CheckpointManager(root, {..., "sched": '
+                    "scheduler})",
+                    key,
+                )
         self._closed = False
+        self._final_step: int | None = None
+        self._said_after_final = False
 
     # -- events --------------------------------------------------------------------------
 
@@ -208,11 +273,20 @@ class CheckpointManager:
         path under a file, a read-only or full disk, missing permissions or a missing
         bucket raise :class:`~ckpt.errors.CheckpointDirError` here, before any training.
         """
-        _root_check.check_root(self.root, self.storage_options, self._group)
+        self._check_root()
+
+    def _check_root(self) -> list[tuple[str, str]] | None:
+        """:meth:`check_root`; the coordinator gets the root's listing it made (else None)."""
+        entries = _root_check.check_root(self.root, self.storage_options, self._group)
+        if self._leased:
+            take_lease(self.lease, self._group, self.root)
+            if self.lease is not None:  # the saves of the jobs it took over are dead
+                self._saves.forget_runs(self.lease.took_over)
+        return entries
 
     # -- resume --------------------------------------------------------------------------
 
-    def resume(self, *, must: bool = False) -> int | None:
+    def resume(self, *, must: bool = False, this_job_only: bool = False) -> int | None:
         """Load the newest committed checkpoint that verifies; return its step, or None.
 
         Collective. Checks the root first (:meth:`check_root`). Returns None, touching
@@ -227,10 +301,24 @@ class CheckpointManager:
 
         One path for every tier (:mod:`ckpt.tiers`): the memory tier's snapshots newer
         than the durable head first (when it is on), then the durable root.
+
+        ``this_job_only``: for a job launched not to resume (the trainer's ``--resume
+        false``), whose torchrun restarts must still resume their own work: only a
+        checkpoint this job wrote in an earlier attempt (the same run id,
+        ``TORCHELASTIC_RUN_ID``, and a lower restart count; the job-wide restart count is
+        one small collective) is loaded; the first attempt loads nothing.
         """
-        self.check_root()
-        # One listing of the root for the whole resume (the coordinator's; load reuses it).
-        catalog = Catalog(Storage(self.root, self.storage_options))
+        entries = self._check_root()
+        this_job = None
+        if this_job_only:
+            run_id, local_restarts = _env.run_identity()
+            restarts = max(_dist.Collective(self._group).all_gather(local_restarts))
+            if restarts == 0:
+                return None
+            this_job = (run_id, restarts)
+        # One listing of the root for the whole resume: the root check's, on the
+        # coordinator (the only rank that reads the catalog); load reuses it.
+        catalog = Catalog(Storage(self.root, self.storage_options), entries)
         walk = ResumeWalk(
             self.root,
             app=self.app,
@@ -242,6 +330,8 @@ class CheckpointManager:
             seed=self.seed,
             emit=self._emit,
             memory_url=self._memory.url if self._memory is not None else None,
+            param_groups=self.param_groups,
+            this_job=this_job,
         )
         step = walk.run(catalog, self._tiers(catalog), must=must)
         if walk.info is not None:
@@ -280,6 +370,9 @@ class CheckpointManager:
         snapshot, committed on every rank's node when this returns (a failure is logged
         and reported as ``memory_snapshot_failed``; training goes on).
         """
+        self._say_stepping_after_final(step)
+        if final:
+            self._final_step = step
         captured = None
         if self._memory is not None and not final and self._memory.due(step):
             captured = self._state.capture(step, reuse_shapes=True)
@@ -291,6 +384,20 @@ class CheckpointManager:
         if final and url is None:
             raise self.failures.final_failed(step)
         return url
+
+    def _say_stepping_after_final(self, step: int) -> None:
+        """WARNING (once) when a loop goes on after its ``final`` save: an epoch loop over
+        the endless step loader, or a ``final`` flag computed wrong."""
+        if self._final_step is None or step <= self._final_step or self._said_after_final:
+            return
+        self._said_after_final = True
+        if self.rank == 0:
+            logger.warning(
+                "rank 0 step %d: training goes on after the final save at step %d "
+                "(maybe_save(final=True)). An epoch loop over sampler.loader() never ends: "
+                "use sampler.epoch_loader() for `for batch in loader` epochs",
+                step, self._final_step,
+            )  # fmt: skip
 
     def save(self, step: int, *, blocking: bool = True, emergency: bool = False) -> str | None:
         """Save ``step`` now (collective); returns the URL, or None when the save failed.
@@ -363,6 +470,11 @@ class CheckpointManager:
             return True
         return self.save(step, blocking=True, emergency=True) is not None
 
+    def inject_non_finite(self) -> list[str]:
+        """Fill this rank's part of every floating parameter of the state's models with NaN
+        (a divergence drill: ``elastic``'s ``nan`` fault); their names. Not a collective."""
+        return self.app.fill_parameters(float("nan"))
+
     def inject_storage_fault(self, spec: str) -> None:
         """Arm storage faults (``ckpt-storage:phase=..:error=..`` or ``PHASE:KIND``) for
         this manager's next storage calls; the fault grammar of ``elastic.FaultPlan``."""
@@ -388,6 +500,8 @@ class CheckpointManager:
             self._group = self._saves.group = None
             if self._memory is not None:
                 self._memory.close(self.last_committed_step)
+            if self.lease is not None:
+                self.lease.close()  # released: the next job on this root starts at once
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -14,6 +14,13 @@ and a save's clean-up of a dead attempt therefore delete a directory only when
 
 Anything else is left in place, and the caller says why at WARNING (:func:`say_left_alone`).
 Everything here only reads; the callers delete.
+
+Directly under a root, the library also keeps records that are not checkpoints: the owner
+lease (:mod:`ckpt.lease`; names ``OWNER``, ``OWNER.<generation>``, ``.OWNER.tmp-*``:
+:func:`ckpt.layout.is_lease_name`) and a root check's short-lived write probe
+(``.probe-*``). Retention and ``gc`` delete checkpoint directories only, so they never
+touch them, and discovery never takes them for checkpoints (they are not named
+``checkpoint_N``); the lease outlives every checkpoint of its root.
 """
 
 from __future__ import annotations
@@ -87,11 +94,22 @@ def read_attempt(storage: Storage, dirname: str) -> dict[str, Any] | None:
     return data
 
 
-def attempt_record(run_id: str, restart_count: int, save_id: str, host: str) -> bytes:
-    """The bytes of an ``ATTEMPT`` record."""
-    return json.dumps(
-        {"run_id": run_id, "restart_count": restart_count, "save_id": save_id, "host": host}
-    ).encode()
+def attempt_record(
+    run_id: str, restart_count: int, save_id: str, host: str, *, deleting: bool = False
+) -> bytes:
+    """The bytes of an ``ATTEMPT`` record. ``deleting``: written by retention into a
+    committed checkpoint it is about to delete, so that a prune killed half-way leaves a
+    directory any later prune may finish (it was provably ours and condemned)."""
+    record = {"run_id": run_id, "restart_count": restart_count, "save_id": save_id, "host": host}
+    if deleting:
+        record["deleting"] = True
+    return json.dumps(record).encode()
+
+
+def being_deleted(storage: Storage, dirname: str) -> bool:
+    """Whether an uncommitted directory's ATTEMPT record says retention was deleting it."""
+    record = read_attempt(storage, dirname)
+    return record is not None and record.get("deleting") is True
 
 
 def uncommitted_owner(storage: Storage, dirname: str) -> str | None:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt import dist as _dist
-from ckpt import per_rank
-from ckpt.app_state import AppState, shape_mismatch
+from ckpt import env, per_rank
+from ckpt.app_state import AppState, param_group_changes, shape_mismatch
 from ckpt.capture import MANAGER_META_KEY, StateCapture
 from ckpt.discovery import Catalog
 from ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointShapeError
@@ -60,6 +60,8 @@ class ResumeInfo:
     """The user metadata saved with the checkpoint (``metadata=`` at save time)."""
     tier: str = "durable"
     """``"durable"`` (the root) or ``"memory"`` (a memory-tier snapshot, ``memory_every``)."""
+    run_id: str = ""
+    """The run id that wrote the checkpoint (said at WARNING when it is not this run's)."""
 
 
 class ResumeWalk:
@@ -83,6 +85,8 @@ class ResumeWalk:
         seed: int,
         emit: Emit,
         memory_url: Callable[[int], str] | None = None,
+        param_groups: str = "checkpoint",
+        this_job: tuple[str, int] | None = None,
     ) -> None:
         self.root = root
         self.app = app
@@ -94,6 +98,10 @@ class ResumeWalk:
         self.seed = seed
         self._emit = emit
         self._memory_url = memory_url
+        self.param_groups = param_groups
+        self.this_job = this_job
+        """(run id, job restart count): resume only a durable checkpoint this job wrote in
+        an earlier attempt (``CheckpointManager.resume(this_job_only=True)``)."""
         self.info: ResumeInfo | None = None
         """What was loaded (None: nothing)."""
         self.committed_step: int | None = None
@@ -119,6 +127,16 @@ class ResumeWalk:
             )
 
         head = coll.on_coordinator(f"finding the newest checkpoint under {self.root}", newest)
+        if self.this_job is not None and head is not None and not self._of_this_job(head):
+            if self.rank == 0:
+                logger.warning(
+                    "rank 0: not resuming step %d under %s: an earlier attempt of this job "
+                    "did not write it (run %r, restart %d), and resume is off except for this "
+                    "job's own restarts",
+                    head.step, self.root, head.run_id, head.restart_count,
+                )  # fmt: skip
+            head = None
+            tiers = [tier for tier in tiers if not tier.strict]
         notes: list[str] = []
         for tier in tiers:
             for cand in tier.candidates(head, notes):
@@ -127,8 +145,14 @@ class ResumeWalk:
                     return None if loaded < 0 else loaded
             tier.exhausted()
         self._tier_choice("none", 0, head, notes)
-        refuse_only_quarantined(coll, catalog, self.root)  # damaged work is no fresh start
+        if self.this_job is None:
+            refuse_only_quarantined(coll, catalog, self.root)  # damaged work is no fresh start
         return self._nothing_to_resume(must)
+
+    def _of_this_job(self, head: DurableHead) -> bool:
+        assert self.this_job is not None
+        run_id, restarts = self.this_job
+        return head.run_id == run_id and head.restart_count < restarts
 
     def _resume_from(
         self,
@@ -139,7 +163,8 @@ class ResumeWalk:
         must: bool,
     ) -> int | None:
         """Resume from one candidate: its step; None to try the next; -1 for "nothing"."""
-        problem = shape_mismatch(self.app.tensor_shapes(), cand.record.get("shapes", {}))
+        saved_shapes = self.app.canonical_shapes(cand.record.get("shapes", {}))
+        problem = shape_mismatch(self.app.tensor_shapes(), saved_shapes)
         if problem is not None:
             if tier.strict:
                 raise CheckpointShapeError(
@@ -239,6 +264,40 @@ class ResumeWalk:
         extra = {"timings": {k: round(v, 4) for k, v in timings.items()}} if timings else {}
         self._emit(ev.TIER_CHOICE, step, tier=tier, reason=why, durable_step=durable, **extra)
 
+    def _say_param_groups(self, constructed: dict[str, Any], step: int) -> None:
+        """Say which optimizer settings the checkpoint replaced, or keep the constructed ones."""
+        changes = param_group_changes(constructed, self.app.param_groups())
+        if not changes:
+            return
+        keep = self.param_groups == "constructed"
+        if keep:
+            self.app.keep_param_groups(constructed)
+        if self.rank != 0:
+            return
+        listed = "; ".join(changes[:8]) + (
+            f" and {len(changes) - 8} more" if len(changes) > 8 else ""
+        )
+        if keep:
+            logger.warning(
+                "rank 0: resumed step %d keeping the optimizer settings this run was built "
+                "with (param_groups=\"constructed\"), not the checkpoint's: %s",
+                step, listed,
+            )  # fmt: skip
+        else:
+            logger.warning(
+                "rank 0: resumed step %d: the checkpoint's optimizer settings replace the ones "
+                "this run was built with: %s. CheckpointManager(..., param_groups="
+                "\"constructed\") keeps the new ones",
+                step, listed,
+            )  # fmt: skip
+
+    def _report_batch_changes(self, step: int) -> None:
+        """A ``batch_change`` event per sampler that continued with another global batch."""
+        for key, sampler in self._capture.data_positions().items():
+            change = getattr(sampler, "batch_change", None)
+            if isinstance(change, dict):
+                self._emit(ev.BATCH_CHANGE, step, key=key, **change)
+
     def _finish(
         self,
         result: LoadResult,
@@ -249,8 +308,11 @@ class ResumeWalk:
         tier: Tier,
     ) -> int:
         """Push a loaded checkpoint into the objects, set RNG, record and report the resume."""
+        constructed = self.app.param_groups()
         self.app.load(template, skip_optimizers=fresh)
+        self._say_param_groups(constructed, int(result.step))
         self._capture.mark_resumed(int(result.step))
+        self._report_batch_changes(int(result.step))
         old_world = int(result.manifest.world_size)
         loaded_step = int(result.step)
         rng_restored = rng_loaded and old_world == self.world_size
@@ -270,6 +332,7 @@ class ResumeWalk:
             duration_s=time.monotonic() - started,
             metadata=user_meta,
             tier=tier.name,
+            run_id=result.manifest.attempt.run_id,
         )
         if self.rank == 0:
             logger.warning(
@@ -277,6 +340,14 @@ class ResumeWalk:
                 loaded_step, url, tier.name, old_world, self.world_size,
                 "restored" if rng_restored else "re-derived", info.duration_s,
             )  # fmt: skip
+            this_run = env.run_identity()[0]
+            if info.run_id != this_run:
+                logger.warning(
+                    "rank 0: step %d was written by run %r, not by this run %r: this job "
+                    "continues another run's training (a relaunch under a new run id, a "
+                    "requeue, or a root shared by mistake: check --ckpt-dir)",
+                    loaded_step, info.run_id, this_run,
+                )  # fmt: skip
         extra = {"tier": tier.name} if self._memory_url is not None else {}
         self._emit(
             ev.RESUME,

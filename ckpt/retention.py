@@ -5,12 +5,14 @@ newest is never deleted) and, permanently, every committed checkpoint whose step
 is a multiple of ``keep_every`` and every ``protect``-ed step (the one a run resumed
 from). Quarantined checkpoints (:mod:`ckpt.quarantine`) are neither committed nor
 partial: retention never touches them (``python -m ckpt gc --quarantined`` does). Partial directories older than the newest
-committed checkpoint belong to dead attempts and are deleted; newer partial
+committed checkpoint belong to dead attempts and are deleted (when their records name the
+pruning run, or a run whose owner lease it took over: ``dead_runs``); newer partial
 directories may be a save in flight and are kept.
 
-Deleting a committed checkpoint removes its COMPLETE marker first, so a deletion
-interrupted half-way (a kill at any point of a prune) leaves a partial directory,
-never a torn "committed" one, and the next prune deletes that partial directory.
+Deleting a committed checkpoint writes an ``ATTEMPT`` record marked ``deleting`` into it,
+then removes its COMPLETE marker, then the rest, so a deletion interrupted half-way (a
+kill at any point of a prune) leaves a partial directory, never a torn "committed" one,
+and the next prune (of any run) deletes that partial directory: its record proves it.
 
 What the plan says to delete is deleted only when it is provably the library's
 (:mod:`ckpt.ownership`): every file in the directory one it writes (and, committed, one
@@ -26,17 +28,18 @@ fill its disk or bucket.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ckpt import ownership
 from ckpt.errors import CheckpointError
-from ckpt.layout import COMPLETE_NAME
+from ckpt.layout import ATTEMPT_NAME, COMPLETE_NAME
 from ckpt.storage import Storage
 
 if TYPE_CHECKING:
-    from ckpt.discovery import CheckpointInfo
+    from ckpt.discovery import Catalog, CheckpointInfo
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,9 @@ class RetentionPolicy:
     protect: frozenset[int] = frozenset()
     """Committed steps never deleted whatever their age (a manager protects the checkpoint
     it resumed from)."""
+    dead_runs: frozenset[str] = frozenset()
+    """Run ids whose uncommitted directories are cleared like the pruning run's own: runs
+    whose owner lease that run took over (:mod:`ckpt.lease`), which can never commit."""
 
     def __post_init__(self) -> None:
         if (
@@ -121,6 +127,7 @@ def apply_retention(
     dry_run: bool = False,
     run_id: str | None = None,
     said: set[str] | None = None,
+    catalog: Catalog | None = None,
 ) -> RetentionPlan:
     """List ``root``, plan with :func:`plan_retention` and delete (unless ``dry_run``).
 
@@ -128,10 +135,12 @@ def apply_retention(
     ``run_id``: the run pruning after its commit; a partial directory is deleted only
     when its records name this run (``None``, the ``gc`` CLI: any run's, when recorded).
     ``said``: URLs already reported as left alone (each is said at WARNING once).
+    ``catalog``: the root's listing when the caller already made one (``gc``).
     """
     from ckpt.discovery import PARTIAL, RENAMED, Catalog
 
-    catalog = Catalog(root if isinstance(root, Storage) else Storage(root))
+    if catalog is None:
+        catalog = Catalog(root if isinstance(root, Storage) else Storage(root))
     storage = catalog.storage
     infos = {info.step: info for info in catalog}
     # Quarantined directories are neither: kept for forensics until `ckpt gc --quarantined`.
@@ -149,12 +158,21 @@ def apply_retention(
     refused: dict[int, str] = {}
     for step in (*plan.delete, *plan.delete_partial):
         info = infos[step]
-        why = _not_ours(storage, info, run_id)
+        why = _not_ours(storage, info, run_id, policy.dead_runs)
         if why:
             refused[step] = why
             ownership.say_left_alone(said, info.url, f"retention left {info.url} in place: {why}")
             continue
         if info.committed:
+            # the claim first: a prune killed from here on leaves a directory that is
+            # provably ours and condemned, which the next prune of any run finishes
+            storage.write_bytes(
+                f"{info.dirname}/{ATTEMPT_NAME}",
+                ownership.attempt_record(
+                    run_id or "gc", 0, "retention", socket.gethostname(), deleting=True
+                ),
+                phase="retention",
+            )
             storage.remove(f"{info.dirname}/{COMPLETE_NAME}")
         storage.remove_tree(info.dirname)
         kind = "" if info.committed else "partial "
@@ -167,7 +185,9 @@ def apply_retention(
     return replace(plan, refused=refused, set_aside={k: v for k, v in set_aside.items() if v})
 
 
-def _not_ours(storage: Storage, info: CheckpointInfo, run_id: str | None) -> str:
+def _not_ours(
+    storage: Storage, info: CheckpointInfo, run_id: str | None, dead_runs: frozenset[str]
+) -> str:
     """Why the directory of ``info`` must not be deleted; empty when it may be."""
     try:
         listing = storage.child(info.dirname).list_files()
@@ -180,12 +200,12 @@ def _not_ours(storage: Storage, info: CheckpointInfo, run_id: str | None) -> str
             f"it holds files this library did not write ({', '.join(foreign[:3])}{more}); "
             "move them out, then `python -m ckpt gc` can remove it"
         )
-    if info.committed:
+    if info.committed or ownership.being_deleted(storage, info.dirname):
         return ""
     owner = ownership.uncommitted_owner(storage, info.dirname)
     if owner is None:
         return "no record says which run wrote it (no ATTEMPT record, no manifest)"
-    if run_id is not None and owner != run_id:
+    if run_id is not None and owner != run_id and owner not in dead_runs:
         return (
             f"it belongs to run {owner!r}, not to this run {run_id!r} (it may be that job's "
             "save in flight); `python -m ckpt gc` removes it once that job is gone"

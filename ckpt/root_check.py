@@ -24,7 +24,13 @@ from typing import Any
 from ckpt import dist as _dist
 from ckpt.errors import CheckpointDirError, StorageError
 from ckpt.faults import FaultRegistry
-from ckpt.layout import COMPLETE_NAME, DCP_METADATA_NAME, MANIFEST_NAME, parse_checkpoint_dirname
+from ckpt.layout import (
+    COMPLETE_NAME,
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    PROBE_PREFIX,
+    parse_checkpoint_dirname,
+)
 from ckpt.storage import Storage, StorageOptions
 
 CHECKPOINT_FILES = (COMPLETE_NAME, MANIFEST_NAME, DCP_METADATA_NAME)
@@ -32,9 +38,6 @@ CHECKPOINT_FILES = (COMPLETE_NAME, MANIFEST_NAME, DCP_METADATA_NAME)
 
 ANCESTOR_LEVELS = 3
 """How many parents of the root are checked for being a checkpoint directory."""
-
-PROBE_PREFIX = ".probe-"
-"""Name prefix of the probe object (discovery ignores names that are not checkpoint dirs)."""
 
 
 def refuse_checkpoint_as_root(storage: Storage, entries: list[tuple[str, bool]]) -> None:
@@ -135,17 +138,26 @@ def probe_writable(storage: Storage) -> None:
         )
 
 
-def check_root(root: str, options: StorageOptions, group: Any = None) -> None:
+def check_root(
+    root: str, options: StorageOptions, group: Any = None
+) -> list[tuple[str, bool]] | None:
     """Fail early, on every rank together, when ``root`` cannot be used (collective).
 
-    First the coordinator refuses a root that is, or is inside, a checkpoint
-    (:func:`refuse_checkpoint_as_root`; nothing is created there). Then a local root
-    is created, any root is listed (bounded by the storage timeouts) and a probe is
-    written, read back and deleted (:func:`probe_writable`: by every rank for a local
-    root, which may be a per-node disk; by the coordinator for an object store).
+    First the coordinator lists the root and refuses one that is, or is inside, a
+    checkpoint (:func:`refuse_checkpoint_as_root`; nothing is created there). Then a
+    local root is created and a probe is written, read back and deleted
+    (:func:`probe_writable`: by every rank for a local root, which may be a per-node
+    disk; by the coordinator for an object store, where the other ranks check that the
+    bucket is reachable), every storage call bounded by the storage timeouts.
     Raises :class:`CheckpointDirError` naming the root and what to fix.
+
+    Returns the coordinator's listing of the root (``Storage.list_dir``; None on the
+    other ranks), so that a resume lists the root once: on a root of a thousand
+    checkpoints each listing costs as much as the rest of a tiny resume (bench
+    ``curves``, BENCHMARKS.md).
     """
     coll = _dist.Collective(group)
+    listing: list[list[tuple[str, bool]]] = []  # the coordinator's, when it could list
 
     def refuse() -> None:
         try:
@@ -154,6 +166,7 @@ def check_root(root: str, options: StorageOptions, group: Any = None) -> None:
         except Exception:  # unreachable: reported by check() below, with its cause
             return
         refuse_checkpoint_as_root(storage, entries)
+        listing.append(entries)
 
     coll.on_coordinator(f"checking that {root} is not a checkpoint", refuse)
 
@@ -163,7 +176,8 @@ def check_root(root: str, options: StorageOptions, group: Any = None) -> None:
             local = storage.backend.scheme == "file"
             if local:
                 os.makedirs(storage.root_path, exist_ok=True)
-            storage.list_dir()
+            if coll.is_coordinator and not listing:
+                listing.append(storage.list_dir())  # raises why refuse() could not list
             storage.check_reachable()  # a missing bucket lists as empty
             if local or coll.is_coordinator:
                 probe_writable(storage)
@@ -175,3 +189,4 @@ def check_root(root: str, options: StorageOptions, group: Any = None) -> None:
             ) from exc
 
     coll.on_every_rank(f"checking {root}", check)
+    return listing[0] if coll.is_coordinator and listing else None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +31,13 @@ from ckpt import async_save as _async
 from ckpt.app_state import AppState
 from ckpt.capture import Captured, StateCapture
 from ckpt.commit import save as _save
-from ckpt.errors import CheckpointError, SaveFailedError, StorageError, TooManySaveFailuresError
+from ckpt.errors import (
+    CheckpointError,
+    NonFiniteStateError,
+    SaveFailedError,
+    StorageError,
+    TooManySaveFailuresError,
+)
 from ckpt.layout import checkpoint_dirname
 from ckpt.retention import RetentionPolicy
 from ckpt.storage import Storage, StorageOptions
@@ -105,6 +111,7 @@ class SaveFailures:
             rank=self._rank,
             consecutive=self.consecutive,
             **({"emergency": True} if emergency else {}),
+            **({"non_finite": sorted(exc.keys)} if isinstance(exc, NonFiniteStateError) else {}),
         )
 
     def stop_if_failing(self, step: int, last_committed: int | None) -> None:
@@ -143,8 +150,14 @@ class DurableSaves:
         failures: SaveFailures,
         sink: Callable[..., Callable[[dict[str, Any]], None]],
         rank: int,
+        allow_non_finite: bool | Sequence[str] = False,
+        root_guard: Callable[[], None] | None = None,
     ) -> None:
         self.root = root
+        self.allow_non_finite = allow_non_finite
+        """Keys whose NaN or inf values do not stop a commit (:mod:`ckpt.finite`)."""
+        self.root_guard = root_guard
+        """Run by the coordinator before a save writes (the root's owner lease)."""
         self._app = app
         self._capture = capture
         self._options = storage_options
@@ -190,6 +203,8 @@ class DurableSaves:
                 retention=self.retention,
                 async_save=background,
                 overlap_staging=self._overlap(fresh) if background else None,
+                allow_non_finite=self.allow_non_finite,
+                root_guard=self.root_guard,
                 _saver=self.saver,
             )
         except (SaveFailedError, StorageError) as exc:
@@ -242,6 +257,13 @@ class DurableSaves:
         # A newer commit exists: the checkpoint resumed from ages out like any other.
         if self.retention is not None and self.retention.protect:
             self.retention = dataclasses.replace(self.retention, protect=frozenset())
+
+    def forget_runs(self, run_ids: list[str]) -> None:
+        """Runs whose owner lease this job took over: retention clears their uncommitted
+        directories like this run's own (they can never commit)."""
+        if run_ids and self.retention is not None:
+            dead = self.retention.dead_runs | frozenset(run_ids)
+            self.retention = dataclasses.replace(self.retention, dead_runs=dead)
 
     def resumed(self, committed_step: int | None, durable_step: int | None) -> None:
         """After a resume: the newest commit, and never prune the checkpoint resumed from

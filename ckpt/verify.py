@@ -15,6 +15,11 @@ manifest's size:
   or S3. What ``python -m ckpt verify`` does by default.
 - ``deep``: reads and checksums every file, whatever the backend reports.
 
+:func:`non_finite_tensors` goes further (``python -m ckpt verify --finite``): it reads
+and decodes every floating tensor item (each checked against its crc32c first) and
+lists those holding NaN or inf. A save never commits such a state (:mod:`ckpt.finite`),
+so this is for checkpoints from elsewhere, older versions, or ``allow_non_finite``.
+
 A problem names the file and says what is wrong; :meth:`VerifyReport.raise_if_bad`
 raises :class:`~ckpt.errors.CorruptCheckpointError` for the first one, or, when every
 problem is a storage call that failed (nothing was found damaged),
@@ -23,14 +28,21 @@ problem is a storage call that failed (nothing was found damaged),
 
 from __future__ import annotations
 
+import io
 import logging
 from dataclasses import dataclass, field
 
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ckpt import finite
+from ckpt.checksum import crc32c_of
 from ckpt.dcp_metadata import MAX_METADATA_BYTES
 from ckpt.errors import CheckpointUnreadableError, CorruptCheckpointError, StorageError
 from ckpt.layout import DCP_METADATA_NAME
 from ckpt.manifest import Manifest
 from ckpt.storage import FILE, Storage, crc32c_of_object
+from ckpt.tensorblob import view_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +166,54 @@ def verify_dir(
             report.sizes_only += 1
         report.files_checked += 1
     return report
+
+
+def non_finite_tensors(ckpt_dir: Storage, manifest: Manifest) -> dict[str, tuple[int, int]]:
+    """Every floating tensor of a committed checkpoint that holds NaN or inf: ``{key: (NaN
+    count, inf count)}`` summed over its items (shards, row blocks).
+
+    Reads and decodes every floating tensor item, one at a time, each checked against its
+    manifest crc32c before it is decoded (``.metadata`` with the safe loader); raises
+    :class:`~ckpt.errors.CorruptCheckpointError` for damage found on the way.
+    """
+    from ckpt.reader import ShardReader  # the reader imports much; only this needs it
+
+    metadata = ShardReader(ckpt_dir, manifest).fetch_metadata()
+    crcs = {
+        (path, int(offset)): (int(length), str(crc))
+        for path, items in manifest.chunks.items()
+        for offset, length, crc in items
+    }
+    found: dict[str, tuple[int, int]] = {}
+    for index, info in sorted(
+        (metadata.storage_data or {}).items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)
+    ):
+        md = metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        if not (md.properties.dtype.is_floating_point or md.properties.dtype.is_complex):
+            continue
+        path, offset, length = info.relative_path, int(info.offset), int(info.length)
+        piece = ckpt_dir.read_range(path, offset, offset + length)
+        if crcs.get((path, offset)) != (len(piece), crc32c_of(piece)):
+            raise CorruptCheckpointError(
+                f"{ckpt_dir.url(path)}: bytes [{offset}, {offset + length}) of {index.fqn!r} do "
+                "not match their manifest crc32c: the file is corrupt",
+                url=ckpt_dir.root_url,
+                path=path,
+            )
+        tensor = view_tensor(piece)
+        if tensor is None:
+            tensor = torch.load(io.BytesIO(piece), map_location="cpu", weights_only=True)
+        if not isinstance(tensor, torch.Tensor) or finite.is_finite(tensor):
+            continue
+        real = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+        nans, infs = found.get(index.fqn, (0, 0))
+        found[index.fqn] = (
+            nans + int(torch.isnan(real).sum()),
+            infs + int(torch.isinf(real).sum()),
+        )
+    return found
 
 
 def _object_crc32c(ckpt_dir: Storage, path: str) -> str | None:

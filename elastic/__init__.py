@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from elastic.distributed import DistContext, close_distributed, init_distributed
     from elastic.errors import (
+        Diverged,
         InjectedFault,
         MicroBatchSplitError,
         Preempted,
         PreemptionHandlerError,
+        SamplerStateError,
     )
     from elastic.events import RunRecorder
     from elastic.faults import FaultPlan, parse_fault_spec
@@ -42,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "parse_fault_spec": "elastic.faults",
     "EmergencySaver": "elastic.guard",
     "Preempted": "elastic.errors",
+    "Diverged": "elastic.errors",
     "RunGuard": "elastic.guard",
     "PEER_SILENT_EXIT_CODE": "elastic.heartbeat",
     "ElasticSampler": "elastic.sampler",
@@ -52,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "RunRecorder": "elastic.events",
     "exit_now": "elastic.process",
     "PreemptionHandlerError": "elastic.errors",
+    "SamplerStateError": "elastic.errors",
 }
 """The public names: what a training script needs. Everything else is reachable in its
 module (``elastic.watchdog.Watchdog``, ``elastic.identity.RunIdentity``, ...)."""
@@ -59,6 +63,7 @@ module (``elastic.watchdog.Watchdog``, ``elastic.identity.RunIdentity``, ...).""
 __all__ = [
     "PEER_SILENT_EXIT_CODE",
     "DistContext",
+    "Diverged",
     "ElasticSampler",
     "EmergencySaver",
     "FaultPlan",
@@ -69,6 +74,7 @@ __all__ = [
     "PreemptionHandlerError",
     "RunGuard",
     "RunRecorder",
+    "SamplerStateError",
     "close_distributed",
     "exit_now",
     "init_distributed",

@@ -5,13 +5,25 @@
 - :class:`PreemptionHandlerError`: the preemption handler cannot be installed or used.
 - :class:`MicroBatchSplitError` (a ``ValueError``): the per-rank batch cannot be cut into
   micro-batches of the asked size.
+- :class:`SamplerStateError` (a ``ValueError``): an ``ElasticSampler`` used or restored in
+  a way that would skip or repeat samples (another order, an epoch the cursor is not in).
 - :class:`InjectedFault`: a ``raise`` fault of the fault plan (``elastic.faults``) fired.
+- :class:`RepeatedErrorStop`: a job whose deterministic error repeated ends its remaining
+  attempts at start-up (``elastic.repeats``).
+
+- :class:`Diverged`: the loss was not finite and the divergence policy stops the run; a
+  ``SystemExit`` with code :data:`DIVERGED_EXIT_CODE`.
+
+``MicroBatchSplitError`` and ``SamplerStateError`` are deterministic
+(``runcore.errors.DeterministicError``): a restart reproduces them.
 """
 
 from __future__ import annotations
 
 import signal
 from typing import Any
+
+from runcore.errors import DeterministicError
 
 
 class Preempted(SystemExit):
@@ -38,12 +50,59 @@ class Preempted(SystemExit):
         return f"stopped by {self.signal_name} after step {self.step}{how}"
 
 
+DIVERGED_EXIT_CODE = 3
+"""Exit code of a run stopped because its loss was not finite (``Diverged``)."""
+
+
+class Diverged(SystemExit):
+    """The loss was not finite (NaN or inf) and the divergence policy stops the run.
+
+    A ``SystemExit`` (code :data:`DIVERGED_EXIT_CODE`): uncaught, the process exits after
+    ``with`` blocks (the checkpoint manager's close) have run. ``str()`` says the step, the
+    last checkpoint (every committed checkpoint is finite: the save refuses NaN) and how to
+    resume.
+    """
+
+    def __init__(self, step: int, message: str, last_checkpoint_step: int | None) -> None:
+        super().__init__(DIVERGED_EXIT_CODE)
+        self.step = step
+        self.message = message
+        self.last_checkpoint_step = last_checkpoint_step
+
+    @property
+    def exit_code(self) -> int:
+        return DIVERGED_EXIT_CODE
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class PreemptionHandlerError(RuntimeError):
     """The preemption handler cannot be installed or used as asked."""
 
 
-class MicroBatchSplitError(ValueError):
+class MicroBatchSplitError(ValueError, DeterministicError):
     """The per-rank batch cannot be cut into micro-batches of the requested size."""
+
+
+class SamplerStateError(ValueError, DeterministicError):
+    """An ``ElasticSampler`` restored or used in a way that would skip or repeat samples."""
+
+
+class RepeatedErrorStop(SystemExit):
+    """This job's deterministic error repeated at the same point: this attempt ends at once.
+
+    A ``SystemExit`` with code 1, raised at start-up (``elastic.init_distributed``,
+    ``RunGuard``) by every later attempt of the same torchrun job, so torchrun's
+    remaining restarts end in seconds instead of each repeating the error.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(1)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class InjectedFault(RuntimeError):

@@ -1,6 +1,7 @@
 """Fault injection at a given (step, rank, attempt), for testing recovery for real.
 
-Grammar (docs/design.md): `KIND:step=S[:rank=R][:attempt=A]`, from repeatable
+Grammar (docs/design.md): `KIND:step=S[:rank=R][:attempt=A]`, or
+`KIND:at=POINT[:rank=R][:attempt=A]` for a point of the start-up, from repeatable
 `--fault` arguments and from the environment variable `TRAINER_FAULTS`
 (`;`-separated). Command-line specs come first, then the environment's; both apply.
 It is the one key=value grammar of every fault in this project
@@ -20,10 +21,24 @@ Kinds:
   shard write, with a permanent error: `phase=shard:error=permanent:times=1`); the plan
   only reports it (`FaultPlan.storage_fault_due`), and `RunGuard` arms it in the
   checkpoint manager (`inject_storage_fault(spec.storage_spec())`).
+- `nan`: a divergence: at the start of step S, that rank's parameters become NaN (so the
+  step's loss is NaN on every rank, and so are the parameters after it); the plan only
+  reports it (`FaultPlan.nan_faults_due`), and `RunGuard` has the checkpoint manager fill
+  them (`inject_non_finite()`).
 
 `rank` omitted means every rank. A fault fires only in the attempt whose job-wide
 restart count equals `attempt` (default 0), so a restarted job does not fail again at
 the same step.
+
+Start-up points (`at=POINT`, :data:`START_POINTS`; any kind but `ckpt-storage`), fired by
+:func:`fire_at_point` where the start-up reaches them, before any step:
+
+- `init_process_group`: in `elastic.init_distributed`, just before the process group is
+  built (its peers then wait for this rank in theirs). The attempt is this agent's
+  restart count (`TORCHELASTIC_RESTART_COUNT`): the job-wide one needs the group.
+- `checkpoint_manager`: the trainer, just before it builds its `ckpt.CheckpointManager`
+  (whose construction builds the checkpoint group, a collective).
+- `resume`: the trainer, just before `CheckpointManager.resume()`.
 """
 
 from __future__ import annotations
@@ -47,7 +62,7 @@ ENV_FAULTS = "TRAINER_FAULTS"
 
 ENV_SEPARATOR = ";"
 
-SPEC_GRAMMAR = "KIND:step=S[:rank=R][:attempt=A]"
+SPEC_GRAMMAR = "KIND:step=S[:rank=R][:attempt=A] or KIND:at=POINT[:rank=R][:attempt=A]"
 
 
 class FaultKind(str, enum.Enum):
@@ -59,10 +74,16 @@ class FaultKind(str, enum.Enum):
     HANG = "hang"
     SIGTERM = "sigterm"
     CKPT_STORAGE = "ckpt-storage"
+    NAN = "nan"
 
 
 VALID_KINDS: tuple[str, ...] = tuple(kind.value for kind in FaultKind)
-VALID_KEYS: tuple[str, ...] = ("step", "rank", "attempt")
+_SAVER_FAULTS = (FaultKind.CKPT_STORAGE, FaultKind.NAN)
+"""Kinds the plan only reports; `RunGuard` carries them out through its saver."""
+VALID_KEYS: tuple[str, ...] = ("step", "at", "rank", "attempt")
+START_POINTS: tuple[str, ...] = ("init_process_group", "checkpoint_manager", "resume")
+"""Points of the start-up a fault can be placed at (``at=POINT``), in the order a start-up
+reaches them."""
 STORAGE_KEYS: tuple[str, ...] = ("phase", "error", "times", "delay_ms")
 """Extra keys of a `ckpt-storage` spec, handed to the checkpoint library as they are."""
 
@@ -72,8 +93,11 @@ class FaultSpec:
     """One parsed fault: what to do, at which step, on which rank, in which attempt."""
 
     kind: FaultKind
-    step: int
-    """Optimizer step at which it fires (ckpt-storage: first save at or after it)."""
+    step: int | None = None
+    """Optimizer step at which it fires (ckpt-storage: first save at or after it); None for
+    a fault at a start-up point."""
+    at: str | None = None
+    """The start-up point it fires at (one of :data:`START_POINTS`), instead of a step."""
     rank: int | None = None
     """Global rank it fires on; None means every rank."""
     attempt: int = 0
@@ -82,9 +106,16 @@ class FaultSpec:
     """`ckpt-storage` only: the storage keys given (phase, error, times, delay_ms)."""
 
     def __post_init__(self) -> None:
+        if (self.step is None) == (self.at is None):
+            raise ValueError(f"a fault needs a step or a start-up point (at=), not both: {self!r}")
+        if self.at is not None and self.at not in START_POINTS:
+            raise ValueError(f"fault at={self.at!r}: not one of {', '.join(START_POINTS)}")
+        if self.at is not None and self.kind is FaultKind.CKPT_STORAGE:
+            raise ValueError("a ckpt-storage fault needs a step, not a start-up point")
         for name in ("step", "attempt"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"fault {name} must be >= 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"fault {name} must be >= 0, got {value}")
         if self.rank is not None and self.rank < 0:
             raise ValueError(f"fault rank must be >= 0, got {self.rank}")
 
@@ -98,7 +129,8 @@ class FaultSpec:
         return ":".join([self.kind.value, *(f"{k}={v}" for k, v in self.storage)])
 
     def __str__(self) -> str:
-        text = f"{self.kind.value}:step={self.step}"
+        where = f"step={self.step}" if self.at is None else f"at={self.at}"
+        text = f"{self.kind.value}:{where}"
         if self.rank is not None:
             text += f":rank={self.rank}"
         text += f":attempt={self.attempt}"
@@ -130,9 +162,15 @@ def parse_fault_spec(text: str) -> FaultSpec:
     allowed = VALID_KEYS + (STORAGE_KEYS if kind is FaultKind.CKPT_STORAGE else ())
     values: dict[str, int] = {}
     storage: list[tuple[str, str]] = []
+    at: str | None = None
     for key, raw in fields.items():
         if key not in allowed:
             raise _spec_error(text, f"unknown key {key!r}")
+        if key == "at":
+            if raw not in START_POINTS:
+                raise _spec_error(text, f"at={raw!r} is not one of {', '.join(START_POINTS)}")
+            at = raw
+            continue
         if key in STORAGE_KEYS:
             if not raw:
                 raise _spec_error(text, f"{key}= needs a value")
@@ -141,11 +179,14 @@ def parse_fault_spec(text: str) -> FaultSpec:
         if not (raw.isascii() and raw.isdigit()):
             raise _spec_error(text, f"{key}={raw!r} is not a non-negative integer")
         values[key] = int(raw)
-    if "step" not in values:
-        raise _spec_error(text, "step is required")
+    if ("step" in values) == (at is not None):
+        raise _spec_error(text, "step is required (or at=POINT instead, for a start-up point)")
+    if at is not None and kind is FaultKind.CKPT_STORAGE:
+        raise _spec_error(text, "ckpt-storage needs step=S, not at=POINT")
     return FaultSpec(
         kind=kind,
-        step=values["step"],
+        step=values.get("step"),
+        at=at,
         rank=values.get("rank"),
         attempt=values.get("attempt", 0),
         storage=tuple(storage),
@@ -207,18 +248,39 @@ class FaultPlan:
         return f"FaultPlan([{', '.join(str(spec) for spec in self.specs)}])"
 
     def due(self, step: int, rank: int, attempt: int) -> list[FaultSpec]:
-        """Return the unused process faults (not ckpt-storage) that fire at this step."""
+        """Return the unused process faults (not ckpt-storage or nan) that fire at this step."""
         return [spec for _, spec in self._due(step, rank, attempt)]
 
     def _due(self, step: int, rank: int, attempt: int) -> list[tuple[int, FaultSpec]]:
         return [
             (index, spec)
             for index, spec in enumerate(self.specs)
-            if spec.kind is not FaultKind.CKPT_STORAGE
+            if spec.kind not in _SAVER_FAULTS
             and index not in self._consumed
+            and spec.at is None
             and spec.step == step
             and spec.applies_to(rank, attempt)
         ]
+
+    def fire_at(
+        self,
+        point: str,
+        rank: int,
+        attempt: int,
+        on_fire: Callable[[FaultSpec], None] | None = None,
+    ) -> None:
+        """Carry out every fault planned at the start-up point ``point`` for (rank, attempt),
+        in order, once per process; as :meth:`fire` does for a step."""
+        if point not in START_POINTS:
+            raise ValueError(f"{point!r} is not a start-up point ({', '.join(START_POINTS)})")
+        for index, spec in enumerate(self.specs):
+            if index in self._consumed or spec.at != point or not spec.applies_to(rank, attempt):
+                continue
+            self._consumed.add(index)
+            logger.warning("rank %d at %s: injecting fault %s", rank, point, spec)
+            if on_fire is not None:
+                on_fire(spec)
+            self._act(spec, 0, rank)
 
     def fire(
         self,
@@ -242,6 +304,22 @@ class FaultPlan:
                 on_fire(spec)
             self._act(spec, step, rank)
 
+    def nan_faults_due(self, step: int, rank: int, attempt: int) -> list[FaultSpec]:
+        """Consume and return the `nan` faults of this exact step, rank and attempt; the
+        caller makes the state non-finite (`RunGuard`, through its saver)."""
+        due = []
+        for index, spec in enumerate(self.specs):
+            if (
+                spec.kind is FaultKind.NAN
+                and index not in self._consumed
+                and spec.step == step
+                and spec.applies_to(rank, attempt)
+            ):
+                self._consumed.add(index)
+                logger.warning("rank %d step %d: injecting fault %s", rank, step, spec)
+                due.append(spec)
+        return due
+
     def storage_fault_due(self, step: int, rank: int, attempt: int) -> bool:
         """Return True once for a ckpt-storage fault whose step has been reached.
 
@@ -261,6 +339,7 @@ class FaultPlan:
             if (
                 spec.kind is FaultKind.CKPT_STORAGE
                 and index not in self._consumed
+                and spec.step is not None
                 and spec.step <= step
                 and spec.applies_to(rank, attempt)
             ):
@@ -288,3 +367,21 @@ class FaultPlan:
             os._exit(1)
         if spec.kind is FaultKind.HANG:
             _hang_forever()
+
+
+def fire_at_point(
+    point: str,
+    rank: int,
+    attempt: int,
+    specs: Sequence[str] = (),
+    *,
+    env: Mapping[str, str] | None = None,
+    on_fire: Callable[[FaultSpec], None] | None = None,
+) -> None:
+    """Fire the faults planned at the start-up point ``point`` (``KIND:at=POINT...`` in
+    ``specs``, then ``TRAINER_FAULTS``) for this rank and attempt.
+
+    Called where the start-up reaches the point, on every rank, before a ``RunGuard``
+    exists (its plan fires the step faults); see the module docstring for the points.
+    """
+    FaultPlan.from_args_and_env(specs, env).fire_at(point, rank, attempt, on_fire)

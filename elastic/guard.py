@@ -11,7 +11,10 @@ termination signal: all ranks agree (one small all_reduce), an emergency checkpo
 of the last finished step is committed if it fits the grace period (the saver's
 expected save time, async saves included), then :class:`Preempted` is raised, a
 ``SystemExit`` with code 128+signal (143 for SIGTERM). After each step it feeds the
-watchdog and the straggler monitor. While the block runs, a peer failure detector
+watchdog and the straggler monitor. ``check(loss)``, called once the step's loss is known
+and before the step is saved, applies the divergence policy to a loss that is not finite
+(:mod:`elastic.divergence`: stop with exit code 3, or roll back to the newest checkpoint and
+skip the data after it). While the block runs, a peer failure detector
 (:mod:`elastic.heartbeat`) heartbeats through the process group's TCP store and ends
 this rank (exit 125) when a peer or the store goes silent for ``peer_timeout_s``. The
 watchdog is on by default ("auto"): a 600 s bound until five steps are timed, then
@@ -20,9 +23,22 @@ go to ``on_event(name, step, every_rank=..., **fields)`` on every rank; a run re
 writes ``every_rank`` events (a fault fired on this rank) on every rank, so a fault on
 rank 1 is recorded by rank 1, and the others (agreed by all ranks) on rank 0 only.
 
+An epoch loop numbers its steps with :meth:`RunGuard.batches` instead (``for step,
+batch in guard.batches(loader, start)`` in each epoch): the same hooks, each step's
+faults and preemption check before its batch is fetched.
+
+An exception that a restart reproduces (``runcore.errors.DeterministicError``: a
+checkpoint of other shapes, a data position that does not advance) leaving the ``with``
+block is recorded (``deterministic_error`` event) and noted for the job's next attempt;
+when that attempt ends with the same error at the same point, every later attempt of
+the job ends at its start (:mod:`elastic.repeats`), instead of each one burning a
+restart after a full start-up.
+
 The saver is duck-typed (``ckpt.CheckpointManager`` is one): ``expected_save_s() ->
 float | None``, ``emergency_save(step) -> bool`` (collective) and
-``inject_storage_fault(spec: str)``, and, if it has one, ``close()``: the guard closes
+``inject_storage_fault(spec: str)``; for a rollback ``resume()`` (collective: the step
+loaded, or None), ``wait()`` and ``last_committed_step``, and for the ``nan`` fault
+``inject_non_finite()``; and, if it has one, ``close()``: the guard closes
 its saver first thing on exit (the drain of a background save still runs under the
 watchdog, heartbeats and SIGTERM handling), so the order of ``with manager`` and
 ``with guard`` does not matter; a manager's ``close`` is idempotent. ``elastic`` never
@@ -32,28 +48,33 @@ imports ``ckpt``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
-from elastic.errors import Preempted
+from elastic import divergence as _div
+from elastic.errors import Diverged, Preempted
 from elastic.faults import FaultPlan, FaultSpec
 from elastic.heartbeat import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_PEER_TIMEOUT_S,
     PeerHeartbeat,
     SilentVerdict,
-    namespace,
-    store_address,
+    group_heartbeat,
 )
 from elastic.identity import RunIdentity, job_restart_count, restart_setup_problem
 from elastic.preemption import PreemptionHandler, agree_on_preemption
+from elastic.repeats import MAX_MESSAGE_CHARS, ErrorNote, note_for, same_failure, stop_if_repeated
 from elastic.straggler import StragglerMonitor
 from elastic.watchdog import Watchdog
 from runcore import events as ev
+from runcore.errors import is_deterministic
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +142,10 @@ class RunGuard:
     ``straggler_every``: compare step times across ranks every N steps (0: off).
     ``grace_s``: seconds between the signal and SIGKILL (default: from the environment,
     see :func:`elastic.preemption.grace_from_env`).
+    ``divergence``: what :meth:`check` does with a loss that is not finite: ``"stop"``
+    (default) or ``"rollback"`` (needs ``saver`` and ``sampler``: the data position with
+    ``advance()``), which skips ``rollback_skip`` global batches (``"auto"``: those trained
+    since the restored checkpoint) at most ``max_rollbacks`` times.
     """
 
     def __init__(
@@ -140,9 +165,18 @@ class RunGuard:
         env: Mapping[str, str] | None = None,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+        divergence: str = _div.STOP,
+        rollback_skip: int | str = _div.AUTO,
+        max_rollbacks: int = 3,
+        sampler: Any = None,
     ) -> None:
         identity = RunIdentity.from_env(env)
+        stop_if_repeated(identity)  # this job's deterministic error repeated: end at once
+        self._notes = note_for(identity)
         self.plan = FaultPlan.from_args_and_env(faults, env)
+        from elastic.distributed import prepare_child_processes  # imports torch
+
+        prepare_child_processes()  # loader workers started from now on outlive a SIGTERM
         self.saver = saver
         self._on_event = on_event
         self.process_group = process_group
@@ -171,6 +205,25 @@ class RunGuard:
         self._step = 0
         self._last_finished: float | None = None
         self._step_gaps: list[float] = []
+        self._prepared = 0
+        """The last step whose :meth:`before_step` ran (an epoch's end runs one ahead)."""
+        self._stepped = False
+        self._last_step = 0
+        self.divergence = _div.DivergencePolicy.of(divergence, rollback_skip, max_rollbacks)
+        self.sampler = sampler
+        self.rollbacks = 0
+        """Rollbacks done by this process (``divergence="rollback"``)."""
+        self._resume_at: int | None = None
+        if self.divergence.action == _div.ROLLBACK:
+            if not callable(getattr(saver, "resume", None)):
+                raise ValueError(
+                    "divergence='rollback' needs a saver that can resume (a ckpt.CheckpointManager)"
+                )
+            if not callable(getattr(sampler, "advance", None)):
+                raise ValueError(
+                    "divergence='rollback' needs sampler= (an elastic.ElasticSampler: the data "
+                    "position whose next batches a rollback skips)"
+                )
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -188,7 +241,7 @@ class RunGuard:
             self._stack.callback(self.heartbeat.stop)
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         try:
             close = getattr(self.saver, "close", None)
             if callable(close):
@@ -196,35 +249,74 @@ class RunGuard:
         finally:
             self._stack.close()
             self.preemption = self.watchdog = self.heartbeat = None
+            if is_deterministic(exc):
+                self._note_deterministic(exc)  # type: ignore[arg-type]
+            elif exc is None and self._notes is not None:
+                self._notes.clear()
+
+    def _note_deterministic(self, exc: BaseException) -> None:
+        """Record an error a restart reproduces, and say whether it repeats the last one."""
+        message = " ".join(str(exc).split())[:MAX_MESSAGE_CHARS]
+        note = ErrorNote(
+            error=type(exc).__name__,
+            point=f"step {self._step}" if self._step else "start-up",
+            message=message,
+            restart_count=self.attempt,
+        )
+        previous = self._notes.read() if self._notes is not None else None
+        repeated = same_failure(previous, note)
+        if self._notes is not None:
+            self._notes.write(dataclasses.replace(note, repeated=repeated))
+        self.event(
+            ev.DETERMINISTIC_ERROR,
+            self._step,
+            error=note.error,
+            point=note.point,
+            message=message,
+            repeated=repeated,
+            restart_count=self.attempt,
+        )
+        if self.rank != 0:
+            return
+        if repeated:
+            logger.error(
+                "rank 0: %s at %s again, as in the attempt before: a restart runs the same "
+                "code on the same checkpoint and cannot fix it, so this job's remaining "
+                "restarts end at start-up. Fix the cause and launch again",
+                note.error, note.point,
+            )  # fmt: skip
+        elif self._notes is not None:
+            logger.error(
+                "rank 0: %s at %s is an error a restart reproduces; if the next attempt "
+                "meets it at the same point, the job's later attempts end at start-up",
+                note.error, note.point,
+            )  # fmt: skip
 
     def _start_heartbeat(self) -> PeerHeartbeat | None:
-        """The peer failure detector, when a process group of 2+ ranks with a TCP store exists."""
-        if self.peer_timeout_s <= 0:
-            return None
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch is a dependency
-            return None
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return None
-        address = store_address(self._env)
-        if address is None:
-            logger.info(
-                "rank %d: peer heartbeat off: the process group's store is not a TCP store",
-                self.rank,
+        """The peer failure detector, when a process group of 2+ ranks with a TCP store
+        exists: the one ``elastic.init_distributed`` started for the start-up, taken over
+        with this guard's settings, else a new one."""
+        from elastic.distributed import take_startup_detector  # imports torch
+
+        startup = take_startup_detector(self.run_id, self.attempt)
+        if startup is not None:
+            if self.peer_timeout_s <= 0:
+                startup.stop()  # off for this run: the start-up detector leaves too
+                return None
+            startup.configure(
+                interval_s=self.heartbeat_s,
+                timeout_s=self.peer_timeout_s,
+                on_silent=self._on_peer_silent,
             )
-            return None
-        world = dist.get_world_size()
-        heartbeat = PeerHeartbeat(
-            rank=dist.get_rank(),
-            world_size=world,
-            address=address,
-            key_prefix=namespace(self.run_id, self.attempt, world),
+            return startup
+        return group_heartbeat(
+            run_id=self.run_id,
+            attempt=self.attempt,
             interval_s=self.heartbeat_s,
             timeout_s=self.peer_timeout_s,
             on_silent=self._on_peer_silent,
+            env=self._env,
         )
-        return heartbeat.start()
 
     def _on_peer_silent(self, verdict: SilentVerdict) -> None:
         self.event(ev.PEER_SILENT, self._step, every_rank=True, rank=self.rank, **verdict.fields())
@@ -256,14 +348,61 @@ class RunGuard:
     def steps(self, start: int, stop: int) -> Iterator[int]:
         """Yield ``start+1 .. stop``, with :meth:`before_step` and :meth:`after_step` around
         each; the first step of the attempt runs under the slow-phase allowance."""
-        for step in range(start + 1, stop + 1):
+        step, first = start, start + 1
+        while step < stop:
+            step += 1
             self.before_step(step)
-            self._step_time_s = None
-            started = time.perf_counter()
-            with self.slow_phase() if step == start + 1 else contextlib.nullcontext():
+            with self._timed(step, first=step == first):
                 yield step
-            measured = time.perf_counter() - started
-            self.after_step(step, measured if self._step_time_s is None else self._step_time_s)
+            if self._resume_at is not None:  # check() rolled back: go on after that step
+                step, self._resume_at = self._resume_at, None
+                first = step + 1
+
+    def batches(self, loader: Iterable[T], start: int) -> Iterator[tuple[int, T]]:
+        """Yield ``(step, batch)`` for each batch of ``loader``: the epoch-loop form of :meth:`steps`.
+
+        ``start`` is the step the run resumed from (``manager.resume() or 0``): steps are
+        numbered on from it, and from the last step this guard handed out, so the same
+        call in every epoch continues the count (``for step, batch in
+        guard.batches(loader, start)``; :attr:`last_step` after the loops). Each step's
+        faults and preemption check run before its batch is fetched, so an emergency
+        save never counts a batch that was not trained on (an epoch loader moves its
+        cursor at the fetch); the check for the step after an epoch's last batch runs
+        once, at the end of that epoch.
+        """
+        iterator = iter(loader)
+        self._last_step = step = max(start, self._last_step)
+        while True:
+            step += 1
+            if self._prepared != step:
+                self.before_step(step)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self._last_step = step
+            with self._timed(step, first=not self._stepped):
+                yield step, batch
+            if self._resume_at is not None:  # check() rolled back: this epoch's batches end
+                self._last_step, self._resume_at = self._resume_at, None
+                return  # the next loop over the loader starts at the restored data position
+
+    @property
+    def last_step(self) -> int:
+        """The last step :meth:`batches` handed out (its ``start`` before the first)."""
+        return self._last_step
+
+    @contextlib.contextmanager
+    def _timed(self, step: int, *, first: bool) -> Iterator[None]:
+        """The body of one step: timed, under the slow-phase allowance when it is the
+        attempt's first, then :meth:`after_step` (not when the body raised)."""
+        self._step_time_s = None
+        self._stepped = True
+        started = time.perf_counter()
+        with self.slow_phase() if first else contextlib.nullcontext():
+            yield
+        measured = time.perf_counter() - started
+        self.after_step(step, measured if self._step_time_s is None else self._step_time_s)
 
     def record_step_time(self, seconds: float) -> None:
         """Inside :meth:`steps`: the compute time of this step, for the straggler report
@@ -277,11 +416,17 @@ class RunGuard:
         Raises :class:`Preempted` after any emergency save of step ``step - 1``.
         """
         self._step = step
+        self._prepared = step
         for spec in self.plan.storage_faults_due(step, self.rank, self.attempt):
             self.event(ev.FAULT, step, every_rank=True, spec=str(spec), rank=self.rank)
             if self.saver is None:
                 raise ValueError(f"fault {spec} needs a checkpoint manager (RunGuard(saver=...))")
             self.saver.inject_storage_fault(spec.storage_spec())
+        for spec in self.plan.nan_faults_due(step, self.rank, self.attempt):
+            self.event(ev.FAULT, step, every_rank=True, spec=str(spec), rank=self.rank)
+            if not callable(getattr(self.saver, "inject_non_finite", None)):
+                raise ValueError(f"fault {spec} needs a checkpoint manager (RunGuard(saver=...))")
+            self.saver.inject_non_finite()
         self.plan.fire(step, self.rank, self.attempt, on_fire=self._on_fault(step))
         with self.slow_phase():
             self._stop_if_preempted(step - 1)
@@ -331,6 +476,104 @@ class RunGuard:
                 )
         self.event(ev.PREEMPTED, done_step, reason=agreed.reason, emergency_save=saved)
         raise Preempted(done_step, self.preemption.signal_name or "SIGTERM", saved)
+
+    def check(self, loss: Any, *, reduced: bool = False) -> bool:
+        """Act on a loss that is not finite; call it once per step, after the step's loss is
+        known and before the step is saved. Collective (one small all_reduce) unless
+        ``reduced``: the loss is already the same on every rank (all-reduced).
+
+        Returns False for a finite loss. Otherwise applies the policy: ``stop`` raises
+        :class:`~elastic.errors.Diverged` on every rank (exit code 3; the message names the
+        step, the last checkpoint and how to resume); ``rollback`` restores the newest
+        checkpoint on every rank, skips the next global batches through the sampler, says so
+        at WARNING, records a ``rolled_back`` event and returns True: leave the step there
+        (``continue``) and start a fresh iterator over the data; :meth:`steps` goes on after
+        the restored step. Reads the loss on the host (one device sync).
+        """
+        value = float(loss)
+        bad = not math.isfinite(value)
+        if not reduced:
+            from elastic.collectives import all_reduce_max_ints  # torch, only when needed
+
+            bad = bool(all_reduce_max_ints([int(bad)], self.process_group)[0])
+        if not bad:
+            return False
+        return self._diverged(self._step, value)
+
+    def _diverged(self, step: int, loss: float) -> bool:
+        """Every rank: the loss of ``step`` was not finite on some rank."""
+        with self.slow_phase():
+            last, last_url = self._drain_saver()
+        action, why = _div.decide(self.divergence, self.rollbacks, last)
+        restored = None
+        if action == _div.ROLLBACK:
+            with self.slow_phase():
+                restored = self.saver.resume()  # type: ignore[union-attr]  # collective
+            if restored is None:
+                action, why = _div.STOP, "nothing to roll back to"
+        self.event(
+            ev.DIVERGED,
+            step,
+            loss=str(loss),
+            policy=self.divergence.action,
+            action=action,
+            last_checkpoint_step=last,
+            rollbacks=self.rollbacks,
+        )
+        if restored is None:
+            raise self._stop(step, loss, last, last_url, why)
+        skip = _div.batches_to_skip(self.divergence, step, restored)
+        first = int(getattr(self.sampler, "cursor", 0))
+        for _ in range(skip):
+            self.sampler.advance()
+        positions = [first, int(getattr(self.sampler, "cursor", 0))]
+        self.rollbacks += 1
+        if self.rank == 0:
+            logger.warning(
+                "rank 0 step %d: the loss is %s: rolled back to step %d (the newest checkpoint) "
+                "and skipped %d global batch(es), sample positions [%d, %d); rollback %d of at "
+                "most %d (divergence=rollback)",
+                step, loss, restored, skip, positions[0], positions[1], self.rollbacks,
+                self.divergence.max_rollbacks,
+            )  # fmt: skip
+        self.event(
+            ev.ROLLED_BACK,
+            restored,
+            from_step=step,
+            to_step=restored,
+            skipped_batches=skip,
+            skipped_positions=positions,
+            rollbacks=self.rollbacks,
+        )
+        self._resume_at = restored
+        return True
+
+    def _drain_saver(self) -> tuple[int | None, str]:
+        """Wait for a save in flight (collective); the newest checkpoint's step (or None)
+        and URL."""
+        wait = getattr(self.saver, "wait", None)
+        url = wait() if callable(wait) else None
+        step = getattr(self.saver, "last_committed_step", None)
+        return (None if step is None else int(step)), str(url or "")
+
+    def _stop(self, step: int, loss: float, last: int | None, url: str, why: str) -> Diverged:
+        if last is None:
+            where = "There is no checkpoint to resume from (a relaunch starts from step 0)"
+        else:
+            where = (
+                f"The last checkpoint is step {last}{f' ({url})' if url else ''}; committed "
+                "checkpoints are never non-finite (a save refuses NaN and inf)"
+            )
+        message = (
+            f"step {step}: the loss is {loss}: training diverged; stopping ({why}). {where}. "
+            "To resume, remove the cause (a lower learning rate, gradient clipping, the data "
+            f"near step {step}) and relaunch: it resumes from the newest committed checkpoint; "
+            "or relaunch with divergence=rollback (trainer: --set run.divergence=rollback) to "
+            "restore it and skip the batches that led here"
+        )
+        if self.rank == 0:
+            logger.error("rank 0: %s", message)
+        return Diverged(step, message, last)
 
     def after_step(self, step: int, step_time_s: float) -> None:
         """Feed the watchdog; every ``straggler_every`` steps compare step times (collective)."""

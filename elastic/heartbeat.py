@@ -137,6 +137,13 @@ def watched_peers(
     return sorted((rank + k) % world_size for k in range(1, count + 1))
 
 
+def first_beat_bound_s(peer_timeout_s: float) -> float | None:
+    """How long a peer that never sent a heartbeat has before it is judged silent:
+    ``peer_timeout_s`` + :data:`STARTUP_GRACE_S` (None when the detector is off, 0). The
+    bound of every wait for the other ranks during a start-up. Pure."""
+    return peer_timeout_s + STARTUP_GRACE_S if peer_timeout_s > 0 else None
+
+
 def namespace(run_id: str, attempt: int, world_size: int) -> str:
     """Key prefix of one process group's heartbeats: run id, job-wide restart count,
     world size (a new group after a restart or a membership change gets new keys)."""
@@ -224,6 +231,60 @@ def tcp_store_client(address: StoreAddress, timeout_s: float) -> StoreLike:
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
+
+
+def _check_bounds(interval_s: float, timeout_s: float) -> None:
+    if not math.isfinite(interval_s) or interval_s <= 0:
+        raise ValueError(f"heartbeat interval must be a finite number > 0, got {interval_s}")
+    if not math.isfinite(timeout_s) or timeout_s < 2 * interval_s:
+        raise ValueError(
+            f"peer timeout must be at least twice the heartbeat interval ({interval_s}s), "
+            f"got {timeout_s}"
+        )
+
+
+def group_heartbeat(
+    *,
+    run_id: str,
+    attempt: int,
+    interval_s: float,
+    timeout_s: float,
+    on_silent: Callable[[SilentVerdict], None] | None = None,
+    keep_running: Callable[[], bool] | None = None,
+    judge_store: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> PeerHeartbeat | None:
+    """A started detector over the default process group's TCP store (keys of
+    :func:`namespace`), or None: ``timeout_s`` 0, no group of 2+ ranks, or not a TCP store.
+
+    Every rank of the group calls it at the same point (``elastic.init_distributed`` right
+    after the group exists; ``RunGuard`` on entry when it has no detector to take over).
+    """
+    if timeout_s <= 0:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    address = store_address(env)
+    if address is None:
+        logger.info(
+            "rank %d: peer heartbeat off: the process group's store is not a TCP store", rank
+        )
+        return None
+    heartbeat = PeerHeartbeat(
+        rank=rank,
+        world_size=world,
+        address=address,
+        key_prefix=namespace(run_id, attempt, world),
+        interval_s=interval_s,
+        timeout_s=timeout_s,
+        on_silent=on_silent,
+        keep_running=keep_running,
+        judge_store=judge_store,
+    )
+    return heartbeat.start()
 
 
 # -- the verdict ----------------------------------------------------------------------------
@@ -323,14 +384,10 @@ class PeerHeartbeat:
         connect: Callable[[], StoreLike] | None = None,
         startup_grace_s: float = STARTUP_GRACE_S,
         self_info: str | None = None,
+        keep_running: Callable[[], bool] | None = None,
+        judge_store: bool = True,
     ) -> None:
-        if not math.isfinite(interval_s) or interval_s <= 0:
-            raise ValueError(f"heartbeat interval must be a finite number > 0, got {interval_s}")
-        if not math.isfinite(timeout_s) or timeout_s < 2 * interval_s:
-            raise ValueError(
-                f"peer timeout must be at least twice the heartbeat interval ({interval_s}s), "
-                f"got {timeout_s}"
-            )
+        _check_bounds(interval_s, timeout_s)
         self.rank = rank
         self.world_size = world_size
         self.address = address
@@ -345,6 +402,12 @@ class PeerHeartbeat:
         self.peers = list(watched_peers(rank, world_size) if peers is None else peers)
         self._connect = connect or (lambda: tcp_store_client(address, min(2.0, self.timeout_s / 3)))
         self.startup_grace_s = startup_grace_s
+        self.keep_running = keep_running
+        """Checked before each round trip: False stops the detector as :meth:`stop` does
+        (e.g. the process group it watches was destroyed)."""
+        self.judge_store = judge_store
+        """False: a store that stopped answering is no verdict, only peers that stopped
+        while it answered are (the start-up detector: see ``elastic.distributed``)."""
         self.self_info = self_info or self._describe_self()
         self.verdict: SilentVerdict | None = None
         self._lock = threading.Lock()
@@ -395,6 +458,26 @@ class PeerHeartbeat:
             if thread is not threading.current_thread():
                 thread.join(wait)
 
+    def configure(
+        self,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        on_silent: Callable[[SilentVerdict], None] | None,
+        keep_running: Callable[[], bool] | None = None,
+        judge_store: bool = True,
+    ) -> None:
+        """New settings for a running detector (a new owner takes it over: ``RunGuard``
+        adopting the start-up detector of ``init_distributed``); the threads read them at
+        their next round."""
+        _check_bounds(interval_s, timeout_s)
+        with self._lock:
+            self.interval_s = float(interval_s)
+            self.timeout_s = float(timeout_s)
+            self.on_silent = on_silent
+            self.keep_running = keep_running
+            self.judge_store = judge_store
+
     def __enter__(self) -> PeerHeartbeat:
         return self.start()
 
@@ -428,6 +511,10 @@ class PeerHeartbeat:
         keys = [self.key(p) for p in self.peers]
         warned = False
         while not self._stop.is_set():
+            keep_running = self.keep_running
+            if keep_running is not None and not keep_running():
+                self._stop.set()  # leaves the loop and marks this rank as left
+                break
             started = time.monotonic()
             try:
                 if store is None:
@@ -549,7 +636,7 @@ class PeerHeartbeat:
             hosts = dict(obs.hosts)
             host_left = self.address.host_rank in obs.left
         store_age = now - max(last_ok, baseline)
-        if store_age > self.timeout_s and not host_left:
+        if self.judge_store and store_age > self.timeout_s and not host_left:
             host = self.address.host_rank
             silent = [host] if host is not None and host != self.rank else []
             return self._verdict(silent, hosts, store_age, store_silent=True)

@@ -87,9 +87,11 @@ class MicroBatch:
     """One micro-batch of this rank's batch, and where it sits in the global batch."""
 
     step: int
-    """1-based optimizer step the micro-batch belongs to (global batches consumed + 1)."""
+    """1-based optimizer step the micro-batch belongs to (global batches consumed + 1);
+    0 for a batch off the regular grid (:func:`plan_micro_batches_at`)."""
     index: int
-    """Index of the micro-batch in the step's global batch (the same on every world size)."""
+    """Index of the micro-batch in the step's global batch (the same on every world size);
+    with ``step`` 0, its first global sample position."""
     first_position: int
     """Global sample position (the sampler's cursor scale) of its first sample."""
     local: slice
@@ -141,3 +143,41 @@ def plan_micro_batches(
         )
         for k in range(per_rank)
     ]
+
+
+def rank_slice(batch_size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows ``[lo, hi)`` of a global batch of ``batch_size`` samples.
+
+    Contiguous and as even as it gets: ``[r*k//W, (r+1)*k//W)``; for a batch divisible by
+    the world size, ``[r*k/W, (r+1)*k/W)``. Pure.
+    """
+    return rank * batch_size // world_size, (rank + 1) * batch_size // world_size
+
+
+def plan_micro_batches_at(
+    start: int, batch_size: int, world_size: int, rank: int, micro_batch: int
+) -> list[MicroBatch]:
+    """Rank ``rank``'s micro-batches of a global batch off the regular grid.
+
+    A batch whose start is not a multiple of the global batch (after a global batch
+    change) or that is shorter (an epoch's last batch): this rank's rows
+    (:func:`rank_slice`) in pieces of ``micro_batch`` (the last may be shorter), each
+    keyed by its first global sample position (``MicroBatch.step`` 0,
+    ``MicroBatch.index`` the position), so its dropout masks stay a function of the
+    samples. Pure.
+    """
+    if micro_batch < 1:
+        raise MicroBatchSplitError(f"micro_batch must be >= 1, got {micro_batch}")
+    lo, hi = rank_slice(batch_size, world_size, rank)
+    out = []
+    for first in range(lo, hi, micro_batch):
+        last = min(first + micro_batch, hi)
+        out.append(
+            MicroBatch(
+                step=0,
+                index=start + first,
+                first_position=start + first,
+                local=slice(first - lo, last - lo),
+            )
+        )
+    return out

@@ -34,6 +34,7 @@ import argparse
 import logging
 import os
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -210,6 +211,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             x, y = (t.to(device) for t in next(batches))
             micro_batches = sampler.micro_batches(args.micro_batch)  # [ft] this step's positions
             loss = train_step(model, opt, sched, x, y, micro_batches, args.seed, args.global_batch)
+            guard.check(loss, reduced=True)  # [ft] NaN/inf: exit 3 naming the last checkpoint
             digest = elastic.samples_digest(sampler.global_batch_ids())
             sampler.advance()  # [ft] one global batch consumed
             log.metrics({
@@ -247,9 +249,13 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         code = main()
-    except SystemExit as exc:  # elastic.Preempted (143), argparse (0 for --help, 2)
+    except SystemExit as exc:  # elastic.Preempted (143), Diverged (3), argparse (0, 2)
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    except Exception:  # e.g. a peer died: its collective failed here; torchrun restarts us
+        traceback.print_exc()
+        code = 1
     # Everything durable is done (checkpoints committed, process group destroyed): leave
     # without interpreter teardown, where torch's gloo threads occasionally abort a finished
-    # rank under torchrun ("terminate called without an active exception", SIGABRT).
+    # rank under torchrun ("terminate called without an active exception", SIGABRT), and
+    # which took seconds after a peer's death on a loaded machine.
     elastic.exit_now(code)

@@ -43,6 +43,7 @@ QUARANTINE = "quarantine"
 RESUME = "resume"
 TIER_CHOICE = "tier_choice"
 MEMORY_SNAPSHOT_FAILED = "memory_snapshot_failed"
+BATCH_CHANGE = "batch_change"
 
 # -- the run log: RunGuard -----------------------------------------------------------------
 FAULT = "fault"
@@ -50,6 +51,9 @@ PEER_SILENT = "peer_silent"
 WATCHDOG_STALL = "watchdog_stall"
 PREEMPTED = "preempted"
 STRAGGLERS = "stragglers"
+DETERMINISTIC_ERROR = "deterministic_error"
+DIVERGED = "diverged"
+ROLLED_BACK = "rolled_back"
 
 # -- the run log: the training loop (built-in trainer, examples) -------------------------
 START = "start"
@@ -94,6 +98,12 @@ _TYPES = (
         "ckpt.manager",
         "a memory-tier snapshot or its replication failed (training goes on)",
     ),
+    EventType(
+        BATCH_CHANGE,
+        ("key", "cursor", "old_global_batch", "new_global_batch"),
+        "ckpt.manager",
+        "a resume continued a sampler's cursor with another global batch (opt-in)",
+    ),
     EventType(FAULT, ("spec", "rank"), "elastic.guard", "a fault injected on purpose"),
     EventType(
         PEER_SILENT,
@@ -114,10 +124,29 @@ _TYPES = (
         "a termination signal stopped training",
     ),
     EventType(
+        DIVERGED,
+        ("loss", "policy", "action", "last_checkpoint_step", "rollbacks"),
+        "elastic.guard",
+        "the loss was not finite (NaN or inf) on some rank; action: stop or rollback",
+    ),
+    EventType(
+        ROLLED_BACK,
+        ("from_step", "to_step", "skipped_batches", "skipped_positions", "rollbacks"),
+        "elastic.guard",
+        "restored the last finite checkpoint and skipped global batches after it",
+    ),
+    EventType(
         STRAGGLERS,
         ("window_steps", "ranks", "step_times_s", "median_s", "factor", "stragglers"),
         "elastic.guard",
         "ranks slower than factor x the median step time",
+    ),
+    EventType(
+        DETERMINISTIC_ERROR,
+        ("error", "point", "message", "repeated", "restart_count"),
+        "elastic.guard",
+        "an error a restart reproduces ended the attempt (repeated: the same one, at the "
+        "same point, as the previous attempt: the job's later attempts end at start-up)",
     ),
     EventType(START, ("world_size", "restart_count"), "trainer.loop", "an attempt started"),
     EventType(FINAL_PARAMS, ("path",), "trainer.loop", "the final parameters were written"),

@@ -118,6 +118,8 @@ class ElasticJob:
     join_timeout_s: int = 60
     """How long an agent waits for a round to reach min nodes before it gives up (exit 1):
     shorter where a scenario leaves one agent alone on purpose."""
+    nproc_per_node: int = 1
+    """Workers per agent (torchrun's ``--nproc_per_node``)."""
     agents: list[Agent] = field(default_factory=list)
     frozen: dict[str, list[int]] = field(default_factory=dict)
     """Pids SIGSTOPped by :meth:`freeze_node`, by agent name (killed, then continued, at close)."""
@@ -163,14 +165,14 @@ class ElasticJob:
         wrap: Wrap | None = None,
         env: dict[str, str] | None = None,
     ) -> Agent:
-        """Start one torchrun agent (one worker). ``local_addr``: the address it advertises
+        """Start one torchrun agent (``nproc_per_node`` workers). ``local_addr``: the address it advertises
         (``--local_addr``); ``wrap``: where it runs (e.g. a namespace); ``env``: extra
         variables for this agent only (e.g. ``GLOO_SOCKET_IFNAME``)."""
         name = name or f"agent{len(self.agents)}"
         log_path = os.path.join(self.workdir, f"{name}.log")
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={self.nnodes}", "--nproc_per_node=1", f"--max_restarts={self.max_restarts}",
+            f"--nnodes={self.nnodes}", f"--nproc_per_node={self.nproc_per_node}", f"--max_restarts={self.max_restarts}",
             f"--rdzv_backend={self.rdzv_backend}", f"--rdzv_endpoint={self.store_host}:{self.port}",
             f"--rdzv_id={self.rdzv_id}", f"--rdzv_conf={self.rdzv_conf}", "--monitor_interval=0.1",
             f"--local_addr={local_addr}",

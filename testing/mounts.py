@@ -2,7 +2,8 @@
 
 As root, file permissions do not stop a write, so an unwritable root is made the
 way it happens on a real machine: a read-only mount. A full disk is a tmpfs of a
-few MB. Needs root (CAP_SYS_ADMIN) and ``mount``/``umount``;
+few MB; a mount that goes away under a job is :func:`lazy_unmount`. Needs root
+(CAP_SYS_ADMIN) and ``mount``/``umount``;
 :func:`mount_problem` says why they cannot be used (a skip reason), or None. Every
 mount made here is unmounted when its ``with`` block ends.
 """
@@ -52,7 +53,16 @@ def tmpfs(where: str, *, size: str = "6m") -> Iterator[str]:
     try:
         yield where
     finally:
-        _unmount(where)
+        if os.path.ismount(where):  # not detached already by the test (lazy_unmount)
+            _unmount(where)
+
+
+def lazy_unmount(where: str) -> None:
+    """``umount -l``: detach the filesystem at ``where`` now, as a dropped mount does; the
+    path then shows the mount point's underlying directory."""
+    done = _run("umount", "-l", where)
+    if done.returncode != 0:
+        raise RuntimeError(f"umount -l {where}: {(done.stderr or done.stdout).strip()}")
 
 
 def make_read_only(where: str) -> None:

@@ -49,6 +49,25 @@ TORCHRUN_CLEAN_ENV = (
 """Variables of an outer distributed job that must not leak into a test's torchrun."""
 
 
+def torchrun_command(
+    args: list[str],
+    *,
+    nproc: int = 2,
+    max_restarts: int = 0,
+    program: tuple[str, ...] = ("-m", "trainer"),
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of ``torchrun --standalone --nproc_per_node=N -m trainer
+    ARGS`` (``program``: what torchrun runs instead of ``-m trainer``, e.g. a script's path)."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_CLEAN_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}", "--monitor_interval=0.5",
+        *program, *args,
+    ]  # fmt: skip
+    return cmd, env
+
+
 def torchrun_trainer(
     args: list[str],
     *,
@@ -57,16 +76,23 @@ def torchrun_trainer(
     max_restarts: int = 0,
     timeout_s: float = 90,
     program: tuple[str, ...] = ("-m", "trainer"),
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``torchrun --standalone --nproc_per_node=N -m trainer ARGS``, bounded (stdout+stderr).
 
-    ``program``: what torchrun runs instead of ``-m trainer`` (e.g. a script's path).
+    ``program``: what torchrun runs instead of ``-m trainer`` (e.g. a script's path);
+    ``env_extra``: variables added to its environment.
     """
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_CLEAN_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}", "--monitor_interval=0.5",
-        *program, *args,
-    ]  # fmt: skip
+    cmd, env = torchrun_command(args, nproc=nproc, max_restarts=max_restarts, program=program)
+    env.update(env_extra or {})
     return run_bounded(cmd, env=env, cwd=cwd, timeout_s=timeout_s)
+
+
+def signal_tree(pid: int, signum: int) -> None:
+    """Send ``signum`` to ``pid`` and every descendant (torchrun's workers have sessions of
+    their own, so a process group does not reach them); gone ones are skipped."""
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.kill(target, signum)
+        except ProcessLookupError:
+            pass

@@ -41,6 +41,8 @@ SPEC = [
     ("fault_cost_s", 2.0, "<="),
     ("ettr", 0.92, ">="),
     ("silent_node_loss", 8.0, "<="),
+    ("loader_fault_cost_s", 1.5, "<="),
+    ("loader_survivor_exit_s", 0.5, "<="),
     ("rendezvous_vs_c10d", 0.33, "<="),
     ("export_memory", 2.0, "<="),
     ("export_vs_read", 0.8, ">="),
@@ -48,6 +50,16 @@ SPEC = [
     ("gcs_save_vs_pipe", 1.3, ">="),
     ("s3_save_vs_put", 1.3, ">="),
     ("s3_load_vs_get", 1.3, ">="),
+    ("curve_save_bytes_exp", 1.05, "<="),
+    ("curve_load_bytes_exp", 1.05, "<="),
+    ("curve_save_tensors_exp", 1.05, "<="),
+    ("curve_load_tensors_exp", 1.05, "<="),
+    ("curve_vs_dcp", 1.0, "<="),
+    ("curve_many_tensors_vs_dcp", 0.5, "<="),
+    ("curve_rank0_share_exp", 0.2, "<="),
+    ("curve_discovery_local", 2.0, "<="),
+    ("curve_discovery_gcs", 2.0, "<="),
+    ("curve_save_memory", 0.5, "<="),
 ]
 
 
@@ -73,13 +85,16 @@ def test_targets_table_is_the_issue_table_in_its_order():
 def test_groups_split_the_table_exactly_once():
     assert list(m.GROUPS) == [
         "save", "load", "async", "overhead", "gcs", "s3", "memory", "elastic", "rendezvous",
-        "export",
+        "export", "curves",
     ]  # fmt: skip
     grouped = [name for names in m.GROUPS.values() for name in names]
     assert sorted(grouped) == sorted(m.TARGETS)
     assert m.GROUPS["load"] == ("load_vs_disk", "reshard_load")
     assert m.GROUPS["memory"] == ("memory_tier_stall", "peer_restore_vs_disk")
-    assert m.GROUPS["elastic"] == ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss")
+    assert m.GROUPS["elastic"] == (
+        "restart_overhead", "fault_cost_s", "ettr", "silent_node_loss",
+        "loader_fault_cost_s", "loader_survivor_exit_s",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "target", "direction"), SPEC)
@@ -113,17 +128,17 @@ def test_missing_is_nan_never_ok_and_says_why():
 
 
 def test_complete_orders_by_table_and_fills_the_rest():
+    last = list(m.TARGETS)[-1]
     produced = [
-        m.Metric(name="gcs_save_vs_pipe", value=0.9, detail={"x": 1}),
+        m.Metric(name=last, value=0.9, detail={"x": 1}),
         m.Metric(name="save_vs_dcp", value=1.3),
         m.Metric(name="save_vs_dcp", value=0.1),  # a second one is ignored
     ]
     out = m.complete(produced, lambda name: f"why {name}")
     assert [x.name for x in out] == list(m.TARGETS)
     assert out[0].value == 1.3
-    gcs_at = list(m.TARGETS).index("gcs_save_vs_pipe")
-    assert out[gcs_at].detail == {"x": 1}
-    for metric in out[1:gcs_at] + out[gcs_at + 1 :]:
+    assert out[-1].detail == {"x": 1}
+    for metric in out[1:-1]:
         assert math.isnan(metric.value)
         assert metric.detail == {"status": f"why {metric.name}"}
 
@@ -149,6 +164,15 @@ def test_only_option_default_and_error(capsys):
     err = capsys.readouterr().err
     assert "--only" in err and "'reshard'" in err
     assert "save, load, async, overhead, gcs, s3, memory, elastic" in err
+
+
+def test_curves_subcommand_is_only_curves_with_the_other_options_kept():
+    args = _parse(["curves", "--quick", "--plot", "out", "--json", "x.json"])
+    assert args.only == ("curves",) and args.quick and args.plot == "out"
+    assert args.json == "x.json"
+    assert _parse(["--only", "curves"]).plot is None
+    with pytest.raises(SystemExit):
+        _parse(["curve"])  # a typo is not a group
 
 
 def test_why_missing():
@@ -248,9 +272,10 @@ def test_help_says_which_metrics_are_full_mode_only_and_which_launcher_runs():
 
 
 def test_full_only_is_what_quick_mode_skips(tmp_path):
-    from bench.__main__ import FULL, FULL_ONLY, _elastic, _silent
+    from bench.__main__ import FULL, FULL_ONLY, _elastic, _loader, _silent
 
     skipped = _elastic(str(tmp_path), QUICK) + _silent(str(tmp_path), QUICK)
+    skipped += _loader(str(tmp_path), QUICK)
     assert tuple(x.name for x in skipped) == FULL_ONLY
     for metric in skipped:
         assert math.isnan(metric.value)
@@ -765,3 +790,33 @@ def test_bench_modules_do_not_import_the_unshipped_testing_package_at_import() -
                 continue
             offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "testing"]
     assert not offenders, offenders
+
+
+def test_survivor_exit_is_torchruns_sigterm_to_its_report_of_the_group_exit():
+    from bench.fault_cost import survivor_exits
+
+    log = "\n".join([
+        _torch_line(7.0, "Sending process 11 closing signal SIGTERM"),
+        _torch_line(7.02, "Sending process 12 closing signal SIGTERM"),  # same group: first counts
+        _torch_line(7.3, "failed (exitcode: -9) local_rank: 1 (pid: 13) of binary: python"),
+        _torch_line(9.0, "failed (exitcode: 1) local_rank: 0 (pid: 14) of binary: python"),  # no SIGTERM
+        _torch_line(20.0, "Sending process 21 closing signal SIGTERM"),
+        _torch_line(25.25, "failed (exitcode: -9) local_rank: 1 (pid: 22) of binary: python"),
+    ])  # fmt: skip
+    assert survivor_exits([log], 2026) == [pytest.approx(0.3), pytest.approx(5.25)]
+    assert survivor_exits(["no marks"], 2026) == []
+
+
+def test_loader_metrics_are_the_jobs_cost_and_its_slowest_survivor():
+    from bench.fault_cost import fault_cost
+
+    rows, events, logs = _two_kills()
+    job = {"cost": fault_cost(rows, events, logs, kills=2), "survivor_exit_s": [0.02, 0.4],
+           "num_workers": 2, "launcher": "warmstart", "rdzv_backend": "ft", "job_wall_s": 30.0}  # fmt: skip
+    cost, exits = m.loader_metrics(job)
+    assert (cost.name, cost.value) == ("loader_fault_cost_s", job["cost"]["fault_cost_s"])
+    assert not cost.ok  # (14.5 + 5.75) / 2 s per kill
+    assert (exits.name, exits.value, exits.ok) == ("loader_survivor_exit_s", 0.4, True)
+    assert exits.detail["each_s"] == [0.02, 0.4]
+    job["survivor_exit_s"] = [0.02, 5.1]
+    assert not m.loader_metrics(job)[1].ok

@@ -168,3 +168,29 @@ def test_save_preparation_lists_the_root_once_and_skips_a_missing_step_dir(calls
     commit._prepare(storage, "checkpoint_0000002", attempt, started_at=0.0)
     assert _root_listings(calls, root) == 1
     assert not storage.exists("checkpoint_0000002/rank_00000.distcp")
+
+
+def test_a_local_listing_reads_each_entry_s_kind_from_the_directory_without_a_stat(
+    tmp_path, monkeypatch
+):
+    # fsspec's ls(detail=True) stats every entry: on a root of 1,000 checkpoints that was
+    # the whole of a discovery's growth from 10 checkpoints (bench curves, BENCHMARKS.md).
+    root = tmp_path / "root"
+    for name in ("checkpoint_0000001", "checkpoint_0000002", ".quarantined-x"):
+        (root / name).mkdir(parents=True)
+    (root / ".probe-a").write_text("x")
+    (root / "checkpoint_0000003").symlink_to(root / "checkpoint_0000002")
+    stats = []
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda *a, **k: stats.append(a) or real_stat(*a, **k))
+    storage = Storage(str(root))
+    assert sorted(storage.list_dir()) == [
+        (".probe-a", "file"),
+        (".quarantined-x", "directory"),
+        ("checkpoint_0000001", "directory"),
+        ("checkpoint_0000002", "directory"),
+        ("checkpoint_0000003", "link"),  # a link is not a directory, never followed
+    ]
+    assert stats == []
+    assert storage.list_dir("missing") == []
+    assert storage.list_dir(".probe-a") == []  # a file lists as empty, as before

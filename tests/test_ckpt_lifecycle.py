@@ -101,6 +101,37 @@ def test_an_existing_root_the_job_cannot_write_is_refused_on_every_rank(tmp_path
     assert results[0][1] == results[1][1]  # the same error, decided together
 
 
+def _root_listings_in_resume(rank: int, world: int, root: str) -> tuple[int, int | None]:
+    """Save steps 1-3, then resume with every listing of the root counted: (count, step)."""
+    model, optim = _model()
+    with ckpt.CheckpointManager(root, {"model": model, "optim": optim}, retention=None) as m:
+        for step in (1, 2, 3):
+            m.save(step)
+    listings = []
+    original = Storage.list_dir
+
+    def counted(storage: Storage, key: str = "") -> list[tuple[str, bool]]:
+        if storage.path(key).rstrip("/") == root.rstrip("/"):
+            listings.append(key)
+        return original(storage, key)
+
+    Storage.list_dir = counted
+    try:
+        model, optim = _model()
+        with ckpt.CheckpointManager(root, {"model": model, "optim": optim}) as m:
+            step = m.resume()
+    finally:
+        Storage.list_dir = original
+    return len(listings), step
+
+
+def test_a_resume_lists_the_root_once_on_the_coordinator_and_never_elsewhere(tmp_path):
+    # The root check and the discovery share one listing: on a root of a thousand
+    # checkpoints every extra listing was as long as the rest of a resume.
+    results = run_ok(_root_listings_in_resume, 2, str(tmp_path / "ckpt"), timeout_s=120)
+    assert results == [(1, 3), (0, 3)]
+
+
 def test_a_writable_root_passes_the_probe_and_leaves_no_probe_object(tmp_path):
     root = str(tmp_path / "ckpt")
     model, optim = _model()

@@ -39,7 +39,16 @@ CHILD_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]
         ),
         ("sigterm:step=3", FaultSpec(kind=FaultKind.SIGTERM, step=3)),
         ("ckpt-storage:step=10:rank=0", FaultSpec(kind=FaultKind.CKPT_STORAGE, step=10, rank=0)),
+        ("nan:step=25:rank=1", FaultSpec(kind=FaultKind.NAN, step=25, rank=1)),
         ("  kill : step = 4 ", FaultSpec(kind=FaultKind.KILL, step=4)),
+        (
+            "kill:at=checkpoint_manager:rank=1",
+            FaultSpec(kind=FaultKind.KILL, at="checkpoint_manager", rank=1),
+        ),
+        (
+            "hang:at=init_process_group:attempt=2",
+            FaultSpec(kind=FaultKind.HANG, at="init_process_group", attempt=2),
+        ),
     ],
 )
 def test_parse_valid_specs(text: str, expected: FaultSpec) -> None:
@@ -62,6 +71,9 @@ def test_parse_valid_specs(text: str, expected: FaultSpec) -> None:
         ("kill:step=1:node=3", "unknown key 'node'"),
         ("kill:step=1:step=2", "given twice"),
         ("kill:step=1:rank=x", "not a non-negative integer"),
+        ("kill:at=backward", "at='backward' is not one of init_process_group, checkpoint_manager"),
+        ("kill:step=1:at=resume", "step is required (or at=POINT instead"),
+        ("ckpt-storage:at=resume", "ckpt-storage needs step=S"),
     ],
 )
 def test_parse_invalid_specs_say_what_is_wrong(text: str, reason: str) -> None:
@@ -70,7 +82,7 @@ def test_parse_invalid_specs_say_what_is_wrong(text: str, reason: str) -> None:
     message = str(info.value)
     assert repr(text) in message
     assert reason in message
-    for kind in ("kill", "exit", "raise", "hang", "sigterm", "ckpt-storage"):
+    for kind in ("kill", "exit", "raise", "hang", "sigterm", "ckpt-storage", "nan"):
         assert kind in message
     for key in ("step", "rank", "attempt"):
         assert key in message
@@ -80,6 +92,26 @@ def test_parse_invalid_specs_say_what_is_wrong(text: str, reason: str) -> None:
 def test_spec_text_round_trips() -> None:
     spec = FaultSpec(kind=FaultKind.CKPT_STORAGE, step=3, rank=1, attempt=2)
     assert parse_fault_spec(str(spec)) == spec
+    at = FaultSpec(kind=FaultKind.KILL, at="resume", rank=1)
+    assert str(at) == "kill:at=resume:rank=1:attempt=0"
+    assert parse_fault_spec(str(at)) == at
+
+
+@pytest.mark.timeout(30)
+def test_a_fault_at_a_startup_point_fires_there_only_once_and_never_at_a_step() -> None:
+    plan = FaultPlan.from_args_and_env(["raise:at=resume:rank=1", "raise:step=0"], env={})
+    plan.fire_at("checkpoint_manager", 1, 0)  # another point: nothing
+    plan.fire_at("resume", 0, 0)  # another rank: nothing
+    assert [s.step for s in plan.due(0, 1, 0)] == [0]  # step 0 is the step fault only
+    fired = []
+    with pytest.raises(InjectedFault, match="raise:at=resume:rank=1"):
+        plan.fire_at("resume", 1, 0, on_fire=fired.append)
+    assert [str(s) for s in fired] == ["raise:at=resume:rank=1:attempt=0"]
+    plan.fire_at("resume", 1, 0)  # once per process
+    with pytest.raises(ValueError, match="not a start-up point"):
+        plan.fire_at("forward", 1, 0)
+    with pytest.raises(ValueError, match="needs a step or a start-up point"):
+        FaultSpec(kind=FaultKind.KILL)
 
 
 @pytest.mark.timeout(30)

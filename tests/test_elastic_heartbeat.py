@@ -524,3 +524,72 @@ def test_run_guard_rejects_a_negative_peer_timeout() -> None:
 
     with pytest.raises(ValueError, match="peer_timeout_s"):
         RunGuard(env={}, peer_timeout_s=-1.0)
+
+
+# -- the start-up detector: store judgement off, a stop condition, taken over by a guard ------
+
+
+@pytest.mark.timeout(30)
+def test_without_store_judgement_a_store_gone_quiet_is_no_verdict_but_a_stopped_peer_is() -> None:
+    store = FakeStore()
+    verdicts: dict[int, list] = {r: [] for r in range(3)}
+    clients = [store.client() for _ in range(3)]
+    ranks = [
+        _fake_rank(store, r, 3, verdicts[r], connect=lambda c=clients[r]: c, judge_store=False)
+        for r in range(3)
+    ]
+    for hb in ranks:
+        hb.start()
+    try:
+        time.sleep(0.4)
+        clients[2].freeze()  # rank 2 stops while the store answers: still named
+        assert _wait(lambda: verdicts[0] and verdicts[1], 5)
+        assert [v.silent_ranks for v in verdicts[0]] == [[2]]
+        store.freeze()  # now the store's host goes away without saying so
+        time.sleep(1.5)  # 2.5 x the bound
+        assert not verdicts[2]  # rank 2 never judges the store (nor its frozen self)
+    finally:
+        store.thaw()
+        for client in clients:
+            client.running.set()
+        for hb in ranks:
+            hb.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_detector_whose_keep_running_turns_false_leaves_cleanly() -> None:
+    store = FakeStore()
+    verdicts: dict[int, list] = {r: [] for r in range(2)}
+    group_up = threading.Event()
+    group_up.set()
+    ranks = [
+        _fake_rank(store, 0, 2, verdicts[0], keep_running=group_up.is_set).start(),
+        _fake_rank(store, 1, 2, verdicts[1]).start(),
+    ]
+    try:
+        time.sleep(0.3)
+        group_up.clear()  # rank 0's process group was destroyed
+        assert _wait(lambda: not ranks[0].running, 2)
+        assert int(store.data["t/beat/0"]) >= LEFT
+        time.sleep(1.5)
+        assert not verdicts[1]  # a rank that left is not silent
+    finally:
+        for hb in ranks:
+            hb.stop()
+
+
+@pytest.mark.timeout(30)
+def test_configure_gives_a_running_detector_its_new_owners_settings() -> None:
+    store = FakeStore()
+    verdicts: list = []
+    taken: list = []
+    hb = _fake_rank(store, 0, 2, verdicts, startup_grace_s=0.3, judge_store=False).start()
+    try:
+        with pytest.raises(ValueError, match="at least twice"):
+            hb.configure(interval_s=0.5, timeout_s=0.6, on_silent=taken.append)
+        hb.configure(interval_s=0.05, timeout_s=0.4, on_silent=taken.append)
+        assert hb.judge_store  # the new owner judges the store again
+        assert _wait(lambda: taken, 5)  # rank 1 never came: the new callback hears it
+        assert not verdicts and taken[0].bound_s == 0.4
+    finally:
+        hb.stop()

@@ -6,8 +6,10 @@ Exit codes: 0 done; 1 a configuration/environment error found after start (batch
 checkpoint directory ``ckpt.CheckpointDirError``: unreachable, not writable, a checkpoint
 itself; checkpoint of another model ``ckpt.CheckpointShapeError``; no checkpoint with
 ``--resume must``; ``checkpoint.max_failures`` saves failed in a row or the final save
-failed ``ckpt.TooManySaveFailuresError``; any other checkpoint library error); 2 a bad
-command line or config (argparse style); 128+N stopped by signal N (SIGTERM: 143).
+failed ``ckpt.TooManySaveFailuresError``; any other checkpoint library error, another job
+holding the root's lease ``ckpt.RootLeaseError`` included); 2 a bad command line or config
+(argparse style); 3 the loss was not finite and ``run.divergence`` stopped the run
+(``elastic.Diverged``); 128+N stopped by signal N (SIGTERM: 143).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import sys
 
 import ckpt
-from elastic.errors import Preempted
+from elastic.errors import Diverged, Preempted
 from elastic.identity import RunIdentity
 from elastic.process import exit_now
 from trainer.cli import build_parser, config_from_args
@@ -64,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     except BatchLayoutError as exc:
         logger.error("rank %d: %s", identity.rank, exc)
         return 1
-    ctx = init_distributed(identity, timeout_s=cfg.run.collective_timeout_s)
+    ctx = init_distributed(
+        identity,
+        timeout_s=cfg.run.collective_timeout_s,
+        peer_timeout_s=cfg.run.peer_timeout_s,
+        heartbeat_s=cfg.run.heartbeat_s,
+    )
     try:
         train(cfg, ctx)
     except USER_ERRORS as exc:
@@ -72,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Preempted as exc:
         logger.warning("rank %d: %s", ctx.rank, exc)
+        return exc.exit_code
+    except Diverged as exc:  # said at ERROR by rank 0 with the step and how to resume
         return exc.exit_code
     finally:
         close_distributed()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ckpt import env as ckpt_env
+from ckpt import faults as ckpt_faults
 from trainer.config import TrainConfig, load_config
 
 
@@ -35,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         choices=("true", "false", "must"),
         help="true (default): resume from the newest committed checkpoint under the root if there "
-        "is one, else start from step 0 and say so; false: start from step 0; must: exit 1 when "
+        "is one, else start from step 0 and say so; false: start from step 0 (a torchrun restart "
+        "of the same job still resumes the checkpoints this job wrote); must: exit 1 when "
         "the root holds no committed checkpoint (overrides checkpoint.resume). A root that is, or "
         "is inside, a checkpoint directory is refused, and so is one the job cannot write (exit 1)",
     )
@@ -63,10 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="inject a fault, repeatable: KIND:step=S[:rank=R][:attempt=A], KIND in kill, exit, raise, hang, "
-        "sigterm, ckpt-storage; fires at the start of step S (steps 1..S-1 done) in the attempt whose "
-        "job-wide restart count is A (default 0). ckpt-storage also takes phase=P, error=E, times=N "
-        "(default: the next save's first shard write fails with a permanent error). Also read "
-        "from env TRAINER_FAULTS (';'-separated)",
+        "sigterm, ckpt-storage, nan; fires at the start of step S (steps 1..S-1 done) in the attempt "
+        "whose job-wide restart count is A (default 0). ckpt-storage also takes phase=P, error=E, "
+        "times=N (default: the next save's first shard write fails with a permanent error); nan "
+        "makes that rank's parameters NaN (a divergence: run.divergence decides). at=POINT "
+        "instead of step=S fires in the start-up, POINT in init_process_group, "
+        "checkpoint_manager, resume. Also read from env TRAINER_FAULTS (';'-separated)",
     )
     parser.add_argument(
         "--set",
@@ -95,4 +99,5 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     cfg = load_config(args.config, overrides)
     cfg.run.faults = [*cfg.run.faults, *args.fault]
     ckpt_env.validate()  # a bad CKPT_* variable is a bad configuration: exit 2, before training
+    ckpt_faults.check_env()
     return cfg

@@ -146,7 +146,8 @@ class CheckpointConfig:
     resume: bool | str = True
     """true: resume from the newest committed checkpoint under ``dir`` when there is one
     (a WARNING says when there is none); false: start from step 0 (the root is still
-    checked); ``"must"``: resume, and fail (exit 1) when ``dir`` holds no committed
+    checked), while a torchrun restart of the same job resumes the checkpoints this job
+    wrote; ``"must"``: resume, and fail (exit 1) when ``dir`` holds no committed
     checkpoint."""
     max_failures: int = 3
     """Stop the job (exit 1) after this many checkpoint saves failed in a row; 0 never
@@ -213,7 +214,17 @@ class RunConfig:
     """Timeout of training collectives: a dead or frozen peer becomes an error (and a
     restart) after this long instead of gloo's 30-minute default."""
     faults: list[str] = field(default_factory=list)
-    """Fault injection specs (``KIND:step=S[:rank=R][:attempt=A]``), see ``--fault``."""
+    """Fault injection specs (``KIND:step=S[:rank=R][:attempt=A]``, or ``at=POINT`` for a
+    point of the start-up), see ``--fault``."""
+    divergence: str = "stop"
+    """A step whose loss is NaN or inf: ``stop`` (exit code 3, naming the step and the last
+    checkpoint) or ``rollback`` (restore the newest checkpoint, skip the batches after it,
+    train on; needs ``checkpoint.dir``)."""
+    rollback_skip: int | str = "auto"
+    """Global batches a rollback skips after the restored step; ``"auto"``: as many as were
+    trained since it, the diverged step's included."""
+    max_rollbacks: int = 3
+    """Roll back at most this many times per attempt; the next divergence stops the run."""
 
     def __post_init__(self) -> None:
         _require(self.seed >= 0, "run.seed", self.seed, "must be >= 0")
@@ -253,6 +264,12 @@ class RunConfig:
             self.collective_timeout_s,
             "must be > 0",
         )
+        _require(self.divergence in ("stop", "rollback"), "run.divergence", self.divergence,
+                 "must be 'stop' or 'rollback'")  # fmt: skip
+        _require(self.rollback_skip == "auto" or (isinstance(self.rollback_skip, int)
+                 and self.rollback_skip >= 0), "run.rollback_skip", self.rollback_skip,
+                 "must be 'auto' or an integer >= 0")  # fmt: skip
+        _require(self.max_rollbacks >= 0, "run.max_rollbacks", self.max_rollbacks, "must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -264,6 +281,10 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.run.divergence != "rollback" or bool(self.checkpoint.dir), "run.divergence",
+                 self.run.divergence, "rollback restores a checkpoint: set checkpoint.dir")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form of the configuration."""
@@ -333,6 +354,13 @@ def _coerce(key: str, raw: object, annotation: str) -> object:
             return _finite(key, raw, float(raw))
         except (ValueError, OverflowError):
             raise ValueError(f"config {key}={raw!r}: must be a finite number or 'auto'") from None
+    if annotation == "int | str":  # a count or the word "auto"
+        if isinstance(raw, str) and raw.strip().lower() == "auto":
+            return "auto"
+        try:
+            return _coerce(key, raw, "int")
+        except ValueError:
+            raise ValueError(f"config {key}={raw!r}: must be an integer or 'auto'") from None
     if annotation == "str":
         if not isinstance(raw, str):
             raise ValueError(f"config {key}={raw!r}: must be a string")

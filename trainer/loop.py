@@ -28,7 +28,9 @@ from torch.distributed.tensor import DTensor
 
 from ckpt import CheckpointManager, RetentionPolicy
 from elastic.events import RunRecorder
+from elastic.faults import fire_at_point
 from elastic.guard import RunGuard
+from elastic.heartbeat import first_beat_bound_s
 from elastic.sampler import ElasticSampler
 from runcore import events as ev
 from trainer.build import build_model, build_optimizer
@@ -222,6 +224,9 @@ def build_checkpoints(
         memory_every=cfg.checkpoint.memory_every,
         max_failures=cfg.checkpoint.max_failures,
         retention=retention_policy(cfg),
+        # A rank that died during the start-up ends the others' wait for the group within
+        # the peer failure detector's bound (peer timeout + its grace for a first beat).
+        setup_timeout_s=first_beat_bound_s(cfg.run.peer_timeout_s),
     )
     return manager
 
@@ -241,10 +246,16 @@ def resume(
     """Resume from the newest committed checkpoint, or check the root is usable (collective).
 
     With ``checkpoint.resume = "must"`` a root without a committed checkpoint is an
-    error; otherwise the manager says at WARNING that the run starts from step 0.
+    error; otherwise the manager says at WARNING that the run starts from step 0. With
+    ``checkpoint.resume = false`` the job does not resume at its start, but a torchrun
+    restart of it resumes the checkpoints it wrote itself (``this_job_only``): starting
+    over would collide with them (``CheckpointExistsError``) and lose its steps.
     """
     if not cfg.checkpoint.resume:
-        manager.check_root()
+        step = manager.resume(this_job_only=True)
+        if step is not None and ctx.is_main:
+            logger.info("rank 0: restart of this job: data cursor %d after step %d",
+                        run.sampler.cursor, step)  # fmt: skip
         return
     if ctx.is_main:
         logger.info("rank 0: looking for a committed checkpoint under %s", manager.root)
@@ -267,6 +278,14 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
             "rank 0: world_size=%d restart_count=%d global_batch=%d micro_batch=%d grad_accum=%d samples=%d",
             ctx.world_size, attempt, layout.global_batch, layout.micro, layout.accum, len(run.samples),
         )  # fmt: skip
+
+    def fault_point(point: str) -> None:  # faults planned at a start-up point (tests, drills)
+        def record(spec: Any) -> None:
+            recorder.event(ev.FAULT, 0, every_rank=True, spec=str(spec), rank=ctx.rank)
+
+        fire_at_point(point, ctx.rank, attempt, cfg.run.faults, on_fire=record)
+
+    fault_point("checkpoint_manager")
     manager = build_checkpoints(cfg, ctx, run, progress, attempt, recorder)
     guard = RunGuard(
         saver=manager,
@@ -278,9 +297,14 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
         heartbeat_s=cfg.run.heartbeat_s,
         peer_timeout_s=cfg.run.peer_timeout_s,
         attempt=attempt,
+        divergence=cfg.run.divergence,
+        rollback_skip=cfg.run.rollback_skip,
+        max_rollbacks=cfg.run.max_rollbacks,
+        sampler=run.sampler,
     )
     with guard:  # closes the manager on exit (the drain stays guarded)
         if manager is not None:
+            fault_point("resume")
             with guard.slow_phase():
                 resume(manager, run, cfg, ctx)
         progress.world_sizes.append(ctx.world_size)
@@ -294,6 +318,9 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
             result = train_step(model, optimizer, run.samples, run.sampler, layout, cfg, ctx)
             elapsed = time.perf_counter() - started
             guard.record_step_time(elapsed)
+            # A NaN loss stops the run or rolls it back (run.divergence), before it is saved.
+            if guard.check(result.loss, reduced=True):
+                continue  # rolled back: the guard's steps go on after the restored step
             progress.step = step
             run.sampler.advance()
 

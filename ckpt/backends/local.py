@@ -133,9 +133,12 @@ class LocalBackend(FsspecBackend):
     # -- listings (lstat: links never followed) ---------------------------------------------
 
     def list_dir(self, path: str) -> list[tuple[str, str]]:
+        """The type comes from the directory (``d_type``), not a stat per entry as
+        fsspec's ``ls(detail=True)`` does, so a root of 1,000 checkpoints lists as fast as
+        one of 10 (bench ``curves``)."""
         try:
             with os.scandir(path) as it:
-                return [(e.name, _kind(e.stat(follow_symlinks=False).st_mode)) for e in it]
+                return [(entry.name, _entry_kind(entry)) for entry in it]
         except (FileNotFoundError, NotADirectoryError):
             return []
 
@@ -187,6 +190,16 @@ def _kind(mode: int) -> str:
     if stat.S_ISREG(mode):
         return FILE
     return LINK if stat.S_ISLNK(mode) else OTHER
+
+
+def _entry_kind(entry: os.DirEntry[str]) -> str:
+    """What a directory entry is, from the directory itself (``d_type``; a stat only where
+    the filesystem does not say), never following a link."""
+    if entry.is_symlink():
+        return LINK
+    if entry.is_dir(follow_symlinks=False):
+        return DIR
+    return FILE if entry.is_file(follow_symlinks=False) else OTHER
 
 
 def _load_sync_file_range() -> Callable[[int, int, int], int] | None:

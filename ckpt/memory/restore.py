@@ -490,7 +490,10 @@ def _local_reads(
         if into:
             out[name] = memory_fs.LocalFile(
                 mapped,
-                [(start, end, per[item].reshape(-1).view(torch.uint8)) for start, end, item in into],
+                [
+                    (start, end, per[item].reshape(-1).view(torch.uint8))
+                    for start, end, item in into
+                ],
                 {item: (start, end - start) for start, end, item in into},
             )
     return out

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import io
 import os
 import pickle
@@ -42,7 +41,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ckpt import checksum
+from ckpt import checksum, finite
 from ckpt.checksum import ChecksummingWriter, encode_crc32c
 from ckpt.dist import Collective, quiet_single_process
 from ckpt.tensorblob import NotPlain, zip_records
@@ -82,6 +81,8 @@ class WrittenShard:
     crc_value: int = 0
     item_crcs: list[int] = field(default_factory=list)
     """The same checksums as integers (fast writes only)."""
+    non_finite: list[str] = field(default_factory=list)
+    """Keys of the floating tensors that held NaN or inf (:mod:`ckpt.finite`)."""
 
 
 @dataclass(slots=True)
@@ -221,15 +222,19 @@ def fast_write(layout: ShardLayout, path: str) -> WrittenShard | None:
             buf = io.BytesIO()
             torch.save(value, buf)
             item.value, item.data = copy.deepcopy(value), buf.getvalue()
+        non_finite: list[str] = []
         with ShardFile(path) as sink:
             stream = _ItemStream(sink)
             for item, tensor in tensors:
+                watch = finite.ValueWatch(tensor) if finite.scannable(tensor) else None
                 if item.prefix:
-                    stream.item(item.prefix, _raw_bytes(tensor), item.suffix)
+                    stream.item(item.prefix, _raw_bytes(tensor), item.suffix, watch=watch)
                 else:  # no template (not the plain one-storage case): torch.save it
                     buf = io.BytesIO()
                     torch.save(own_storage(tensor), buf)
                     stream.item(buf.getbuffer())
+                if watch is not None and not watch.finite():
+                    non_finite.append(item.index.fqn)
             for item in layout.items:
                 if item.is_bytes:
                     stream.item(item.data)
@@ -240,6 +245,7 @@ def fast_write(layout: ShardLayout, path: str) -> WrittenShard | None:
         chunks=stream.chunks,
         crc_value=stream.crc,
         item_crcs=stream.crcs,
+        non_finite=non_finite,
     )
 
 
@@ -276,26 +282,31 @@ class _ItemStream:
         self.chunks: list[Chunk] = []
         self.crcs: list[int] = []
 
-    def item(self, *parts: Any) -> None:
+    def item(self, *parts: Any, watch: finite.ValueWatch | None = None) -> None:
+        """Write one item made of ``parts``; the part ``watch`` matches (a tensor's raw
+        bytes) is written, checksummed and looked at piece by piece (:mod:`ckpt.finite`)."""
         crc, length = 0, 0
         views = [memoryview(part).cast("B") for part in parts]
         for view in views:
-            self.sink.write(view)
-            crc = checksum.crc32c_extend(crc, view)
+            if watch is not None and watch.matches(view):
+                for offset in range(0, view.nbytes, watch.piece_bytes):
+                    piece = view[offset : offset + watch.piece_bytes]
+                    self.sink.write(piece)
+                    crc = checksum.crc32c_extend(crc, piece)
+                    watch.look(offset, piece.nbytes)
+            else:
+                self.sink.write(view)
+                crc = checksum.crc32c_extend(crc, view)
             length += view.nbytes
         if length >= _COMBINE_MIN_BYTES:
-            self.crc = checksum.crc32c_mulmod(_shift(length), self.crc) ^ crc
+            shift = checksum.crc32c_shift_operator(length)
+            self.crc = checksum.crc32c_mulmod(shift, self.crc) ^ crc
         else:
             for view in views:
                 self.crc = checksum.crc32c_extend(self.crc, view)
         self.chunks.append([self.size, length, encode_crc32c(crc)])
         self.crcs.append(crc)
         self.size += length
-
-
-@functools.lru_cache(maxsize=1024)
-def _shift(length: int) -> int:
-    return checksum.crc32c_shift_operator(length)
 
 
 def _local(data: Any) -> torch.Tensor:
@@ -375,6 +386,7 @@ class _TemplateWriter(StorageWriter):
         items: list[_Item] = []
         results: list[WriteResult] = []
         chunks: list[Chunk] = []
+        non_finite: list[str] = []
         with zip_crc32_off(), ShardFile(self.path_of(self.filename)) as sink:
             stream = ChecksummingWriter(sink)
             for write_item in ordered:
@@ -388,7 +400,10 @@ class _TemplateWriter(StorageWriter):
                     )
                     stream.write(item.data)
                 else:
-                    item = _template(write_item.index, _local(planner.resolve_data(write_item)))
+                    tensor = _local(planner.resolve_data(write_item))
+                    if not finite.is_finite(tensor):  # planning is rare: a pass of its own
+                        non_finite.append(write_item.index.fqn)
+                    item = _template(write_item.index, tensor)
                     stream.write(item.data)
                     item.data = b""
                     block = planner.block_of(write_item.index)
@@ -408,7 +423,9 @@ class _TemplateWriter(StorageWriter):
                 )
             sink.finish(stream.size)
         self.items = items
-        self.written = WrittenShard(size=stream.size, crc32c=stream.crc32c, chunks=chunks)
+        self.written = WrittenShard(
+            size=stream.size, crc32c=stream.crc32c, chunks=chunks, non_finite=non_finite
+        )
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future

@@ -32,13 +32,14 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ckpt import env
+from ckpt import env, finite
 from ckpt.checksum import crc32c_of, encode_crc32c
 from ckpt.commit import process_start_time, utc_now
 from ckpt.dist import Collective, new_checkpoint_group
@@ -77,10 +78,18 @@ class MemoryTier:
     """One rank's part of the memory tier (built by the manager on every rank: collective)."""
 
     def __init__(
-        self, root: str, every: int, *, memory_dir: str | None = None, distributed: bool
+        self,
+        root: str,
+        every: int,
+        *,
+        memory_dir: str | None = None,
+        distributed: bool,
+        allow_non_finite: bool | Sequence[str] = False,
     ) -> None:
         memory_fs.install()  # ckptmem://, what a resume from this tier loads from
         self.every = every
+        self.allow_non_finite = allow_non_finite
+        """Keys whose non-finite values do not stop a snapshot (:mod:`ckpt.finite`)."""
         self.base = memory_base_dir(memory_dir)
         # Two gloo groups of its own: snapshot collectives (caller's thread) and the
         # replication sends (background thread) never interleave with each other, with
@@ -179,6 +188,7 @@ class MemoryTier:
             if shard.set_up(self._layout, state, self.rank == 0):
                 assert self._layout is not None
                 written = shard.fast_write(self._layout, path)
+                error = self._non_finite(written)
         except Exception as exc:  # reported to every rank through the gather below
             logger.debug("rank %d: memory snapshot write failed", self.rank, exc_info=True)
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
@@ -198,7 +208,10 @@ class MemoryTier:
                     f"memory snapshot of step {step} failed while planning: {type(exc).__name__}: {exc}"
                 ) from exc
             self.replan_count += 1
-            reports = coll.all_gather(self._report(None, written, metadata))
+            reports = coll.all_gather(self._report(self._non_finite(written), written, metadata))
+            errors = [r["error"] for r in reports if r["error"]]
+            if errors:
+                raise SnapshotError(f"memory snapshot of step {step} failed: {'; '.join(errors)}")
         layout = self._layout
         assert layout is not None
         for r, report in enumerate(reports):
@@ -249,6 +262,16 @@ class MemoryTier:
         self.last_snapshot_s = time.monotonic() - started
         phases["commit_s"] = self.last_snapshot_s - sum(phases.values())
         self.last_phases = phases
+
+    def _non_finite(self, written: shard.WrittenShard | None) -> str | None:
+        """Why this rank's shard must not be committed: a tensor held NaN or inf."""
+        keys = finite.refused(written.non_finite if written else (), self.allow_non_finite)
+        if not keys:
+            return None
+        return (
+            f"rank {self.rank}: non-finite values (NaN or inf) in {', '.join(keys[:8])}"
+            f"{' and more' if len(keys) > 8 else ''}: a diverged state is never snapshotted"
+        )
 
     def _gather(
         self,

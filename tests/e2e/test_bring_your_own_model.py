@@ -8,15 +8,16 @@ events.jsonl and the checkpoint directories.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 
+from bench.fault_cost import survivor_exits
 from testing.local_cluster import REPO
 from testing.procs import RunTimeoutError, run_bounded
 
@@ -148,24 +149,13 @@ def test_single_node_on_the_ft_backend_restarts_without_the_store_variable(root,
     assert [got[s]["restart_count"] for s in range(9, STEPS + 1)] == [1] * 4
 
 
-_TORCH_LOG_TIME = re.compile(r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*?\] (.*)$")
-
-
 def sigterm_to_exit_s(log: str) -> float:
     """Seconds from torchrun's SIGTERM to the surviving worker ("Sending process ...
     closing signal SIGTERM") to its report of the group's failure, which it writes once
-    every worker has exited."""
-    marks = {}
-    for line in log.splitlines():
-        m = _TORCH_LOG_TIME.match(line)
-        if not m:
-            continue
-        t = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
-        if "closing signal SIGTERM" in m.group(4):
-            marks.setdefault("sigterm", t)
-        elif "failed (exitcode" in m.group(4) and "sigterm" in marks:
-            marks.setdefault("failed", t)
-    return marks["failed"] - marks["sigterm"]
+    every worker has exited (the first kill of the run); 0 when the survivor had left on
+    its own before torchrun signalled anyone (its collective with the dead rank failed)."""
+    exits = survivor_exits([log], datetime.date.today().year)
+    return exits[0] if exits else 0.0
 
 
 @pytest.mark.timeout(300)
@@ -248,11 +238,14 @@ def test_ckpt_verify_accepts_the_checkpoints_and_rejects_a_flipped_byte(root, ki
     assert bad.returncode == 1, bad.stdout + bad.stderr
 
 
-def test_example_uses_only_the_public_api():
-    """The example is a user's script: no trainer, no test harness, no private names."""
+@pytest.mark.parametrize(
+    "script", [SCRIPT, os.path.join(REPO, "examples", "hf_llama_epochs.py")], ids=os.path.basename
+)
+def test_example_uses_only_the_public_api(script):
+    """The examples are users' scripts: no trainer, no test harness, no private names."""
     import ast
 
-    with open(SCRIPT, encoding="utf-8") as fh:
+    with open(script, encoding="utf-8") as fh:
         tree = ast.parse(fh.read())
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

@@ -200,19 +200,25 @@ def test_a_hosted_ft_store_serves_on_the_endpoint_address():
     ],
 )
 def test_every_ckpt_variable_is_checked_when_a_manager_is_built(tmp_path, monkeypatch, name, value):
+    from ckpt.faults import check_env
+
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name if name != "CKPT_STORAGE_FAULTS" else "nonsense"):
         ckpt_env.validate()
+        check_env()
     with pytest.raises(ValueError):
         ckpt.CheckpointManager(str(tmp_path / "root"), {"m": torch.nn.Linear(2, 2)})
     assert not (tmp_path / "root").exists()
 
 
-def test_an_unknown_ckpt_variable_is_said(monkeypatch, caplog):
+def test_a_misspelt_ckpt_variable_is_said(monkeypatch, caplog):
     monkeypatch.setenv("CKPT_STORAGE_TIMEOUT", "30")  # the _S forgotten
+    monkeypatch.setenv("CKPT_DIR", "/data/ckpt")  # a user's own variable (the Slurm recipe's)
     with caplog.at_level(logging.WARNING, logger="ckpt"):
         ckpt_env.validate()
-    assert any("CKPT_STORAGE_TIMEOUT" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("CKPT_STORAGE_TIMEOUT " in m and "CKPT_STORAGE_TIMEOUT_S" in m for m in said)
+    assert not any("CKPT_DIR" in m for m in said)
 
 
 @pytest.mark.parametrize(
