@@ -25,6 +25,7 @@ import threading
 import uuid
 from typing import Any, Protocol
 
+from ckpt.backends.local import fsync_dir
 from ckpt.errors import ObjectNotFoundError, StorageError
 from ckpt.gcs_parts import GcsHttpError
 from ckpt.layout import LEASE_NAME, LEASE_RECORD_RE, LEASE_TMP_PREFIX
@@ -113,7 +114,7 @@ class LocalLeaseStore:
                     os.unlink(os.path.join(self.dir, f"OWNER.{old:010d}"))
                 except FileNotFoundError:
                     pass
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         return new
 
     def delete(self, version: Any) -> None:
@@ -121,7 +122,7 @@ class LocalLeaseStore:
             os.unlink(os.path.join(self.dir, f"OWNER.{int(version):010d}"))
         except FileNotFoundError:
             pass
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     @staticmethod
     def _create_exclusive(path: str, data: bytes) -> None:
@@ -273,16 +274,3 @@ STORES: dict[str, type] = {"file": LocalLeaseStore, "gs": GcsLeaseStore, "s3": S
 def store_for(storage: Storage) -> LeaseStore:
     """The store of ``storage``'s backend."""
     return STORES.get(storage.backend.scheme, FsspecLeaseStore)(storage)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

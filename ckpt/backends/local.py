@@ -117,18 +117,8 @@ class LocalBackend(FsspecBackend):
         )
 
     def sync_dir(self, path: str) -> None:
-        if not self.options.fsync:
-            return
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        if self.options.fsync:
+            fsync_dir(path)
 
     # -- listings (lstat: links never followed) ---------------------------------------------
 
@@ -182,6 +172,21 @@ class LocalBackend(FsspecBackend):
 
     def move_tree(self, src: str, dst: str, calls: Calls) -> None:
         calls.call(f"rename {src} -> {dst}", "any", lambda: os.rename(src, dst))
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so that new entries in it survive a power loss (best effort: a
+    filesystem that cannot is left as it is)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _kind(mode: int) -> str:
