@@ -38,6 +38,7 @@ from bench.fsdp_state import layer_width
 from bench.gcs import gcs_rounds
 from bench.report import markdown_table, write_json
 from bench.rounds import load_rounds, reshard_load, reshard_save, save_rounds
+from bench.s3 import s3_rounds
 from bench.spawn import run_on_ranks
 from bench.train_loop import plain_loop, steady_rate, trainer_run
 
@@ -61,6 +62,8 @@ class Mode:
     """State persisted in the background while the tiny GPT trains (persist_interference)."""
     gcs_bytes: int
     """Checkpoint size for the gs:// rounds (the emulator keeps objects in memory)."""
+    s3_bytes: int
+    """Checkpoint size for the s3:// rounds (moto keeps objects in memory)."""
     train_steps: int
     """Steps per trainer / plain-loop run (trainer_overhead); the first 5 are warm-up."""
     elastic_jobs: bool
@@ -90,6 +93,7 @@ QUICK = Mode(
     timeout_s=150,
     persist_bytes=128 << 20,
     gcs_bytes=64 << 20,
+    s3_bytes=32 << 20,
     train_steps=15,
     elastic_jobs=False,
     silent_runs=0,
@@ -106,6 +110,7 @@ FULL = Mode(
     timeout_s=900,
     persist_bytes=1 << 30,
     gcs_bytes=256 << 20,
+    s3_bytes=256 << 20,
     train_steps=45,
     elastic_jobs=True,
     silent_runs=2,
@@ -356,7 +361,20 @@ def _gcs(mode: Mode) -> list[m.Metric]:
             mode.rounds,
             timeout_s=mode.timeout_s,
         )[0]
-    return [m.gcs_metric(raw), m.gcs_load_metric(raw)]
+    return m.gcs_metrics(raw)
+
+
+def _s3(mode: Mode) -> list[m.Metric]:
+    # The server harness is in the repository's testing/ (not installed), like the GCS one.
+    from testing.s3_server import s3_in_environ, start_s3_server
+
+    with s3_in_environ(start_s3_server()) as server:
+        server.create_bucket("bench")
+        raw = run_on_ranks(
+            s3_rounds, RANKS, "bench", layer_width(mode.s3_bytes), mode.rounds,
+            timeout_s=mode.timeout_s,
+        )[0]  # fmt: skip
+    return m.s3_metrics(raw)
 
 
 def _memory(work: str, mode: Mode) -> list[m.Metric]:
@@ -555,7 +573,9 @@ _RUN_STARTED: list[float] = []
 
 
 def _progress(text: str, elapsed: bool = True) -> None:
-    when = f" (elapsed {time.monotonic() - _RUN_STARTED[0]:.0f} s)" if _RUN_STARTED and elapsed else ""
+    when = (
+        f" (elapsed {time.monotonic() - _RUN_STARTED[0]:.0f} s)" if _RUN_STARTED and elapsed else ""
+    )
     print(f"bench: {text}{when}", file=sys.stderr, flush=True)
 
 
@@ -593,6 +613,7 @@ def tasks(
         ("async", "async", lambda: _async(work, mode)),
         ("overhead", "trainer_overhead", lambda: _overhead(work, mode)),
         ("gcs", "gcs", lambda: _gcs(mode)),
+        ("s3", "s3", lambda: _s3(mode)),
         ("memory", "memory tier", lambda: _memory(own("memory"), mode)),
         ("elastic", "kill jobs", lambda: _elastic(work, mode)),
         ("elastic", "silent node jobs", lambda: _silent(work, mode)),

@@ -34,6 +34,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     "export_vs_read": (0.8, ">="),
     "gcs_load_vs_cat": (1.3, ">="),
     "gcs_save_vs_pipe": (1.3, ">="),
+    "s3_save_vs_put": (1.3, ">="),
+    "s3_load_vs_get": (1.3, ">="),
     "curve_save_bytes_exp": (1.05, "<="),
     "curve_load_bytes_exp": (1.05, "<="),
     "curve_save_tensors_exp": (1.05, "<="),
@@ -57,6 +59,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "async": ("async_stall", "persist_interference"),
     "overhead": ("trainer_overhead",),
     "gcs": ("gcs_save_vs_pipe", "gcs_load_vs_cat"),
+    "s3": ("s3_save_vs_put", "s3_load_vs_get"),
     "memory": ("memory_tier_stall", "peer_restore_vs_disk"),
     "elastic": (
         "restart_overhead",
@@ -361,28 +364,30 @@ def overhead_metric(trainer_rates: list[float], plain_rates: list[float], **extr
     )
 
 
-def gcs_metric(raw: dict[str, Any]) -> Metric:
+def store_save_metric(name: str, raw: dict[str, Any], base: str, baseline: str) -> Metric:
+    """``ckpt.save`` to an object store vs one raw upload of as many bytes per rank, from
+    :func:`bench.object_store.store_rounds` (``base`` names the raw side in the detail)."""
     value, shared = _throughput_ratio(
-        raw["ours_bytes"][-1], raw["ours_s"][1:], "pipe", raw["pipe_bytes"], raw["pipe_s"][1:]
+        raw["ours_bytes"][-1], raw["ours_s"][1:], base, raw["put_bytes"], raw["put_s"][1:]
     )
     return Metric(
-        name="gcs_save_vs_pipe",
+        name=name,
         value=value,
         detail={
             **shared,
             "ours_first_save_s": _r(raw["ours_s"][0]),
             "ours_samples_s": [_r(x) for x in raw["ours_s"]],
-            "pipe_samples_s": [_r(x) for x in raw["pipe_s"]],
+            f"{base}_samples_s": [_r(x) for x in raw["put_s"]],
             **_forced_parts(raw),
             "checkpoint_bytes": raw["ours_bytes"][-1],
-            "pipe_bytes": raw["pipe_bytes"],
-            "baseline": "gcsfs pipe of one object per rank, 2 ranks in parallel, fake-gcs-server",
+            f"{base}_bytes": raw["put_bytes"],
+            "baseline": baseline,
         },
     )
 
 
 def _forced_parts(raw: dict[str, Any]) -> dict[str, Any]:
-    """The same saves with every shard sent as parallel parts + compose (a side figure)."""
+    """The same saves with every shard sent as parallel parts (a side figure)."""
     if not raw.get("parts_s"):
         return {}
     parts_s = _median(raw["parts_s"][1:] or raw["parts_s"])
@@ -392,24 +397,41 @@ def _forced_parts(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def gcs_load_metric(raw: dict[str, Any]) -> Metric:
-    """gcs_load_vs_cat from :func:`bench.gcs.gcs_rounds`: cold ``ckpt.load`` vs gcsfs ``cat``."""
+def store_load_metric(name: str, raw: dict[str, Any], base: str, baseline: str) -> Metric:
+    """A cold ``ckpt.load`` from an object store vs one raw download per rank of the object
+    the raw upload wrote (:func:`bench.object_store.store_rounds`)."""
     value, shared = _throughput_ratio(
-        raw["load_bytes"][-1], raw["load_s"][1:], "cat", raw["pipe_bytes"], raw["cat_s"][1:]
+        raw["load_bytes"][-1], raw["load_s"][1:], base, raw["put_bytes"], raw["get_s"][1:]
     )
     return Metric(
-        name="gcs_load_vs_cat",
+        name=name,
         value=value,
         detail={
             **shared,
             "ours_first_load_s": _r(raw["load_s"][0]),
             "ours_samples_s": [_r(x) for x in raw["load_s"]],
-            "cat_samples_s": [_r(x) for x in raw["cat_s"]],
+            f"{base}_samples_s": [_r(x) for x in raw["get_s"]],
             "bytes_read": raw["load_bytes"][-1],
-            "cat_bytes": raw["pipe_bytes"],
-            "baseline": "gcsfs cat of one object per rank, 2 ranks in parallel, fake-gcs-server",
+            f"{base}_bytes": raw["put_bytes"],
+            "baseline": baseline,
         },
     )
+
+
+def gcs_metrics(raw: dict[str, Any]) -> list[Metric]:
+    """gcs_save_vs_pipe and gcs_load_vs_cat: against gcsfs ``pipe``/``cat``."""
+    where = "one object per rank, 2 ranks in parallel, fake-gcs-server"
+    save = store_save_metric("gcs_save_vs_pipe", raw, "pipe", f"gcsfs pipe of {where}")
+    return [save, store_load_metric("gcs_load_vs_cat", raw, "cat", f"gcsfs cat of {where}")]
+
+
+def s3_metrics(raw: dict[str, Any]) -> list[Metric]:
+    """s3_save_vs_put and s3_load_vs_get: against botocore ``PutObject``/``GetObject``."""
+    where = "one object per rank, 2 ranks in parallel, moto server"
+    put = f"botocore PutObject (client defaults) of {where}"
+    get = f"botocore GetObject of {where}"
+    save = store_save_metric("s3_save_vs_put", raw, "put", put)
+    return [save, store_load_metric("s3_load_vs_get", raw, "get", get)]
 
 
 _RESTART_KEYS = ("restart_to_first_step_s", "detect_s", "rdzv_spawn_import_pg_s", "build_s",

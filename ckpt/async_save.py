@@ -45,11 +45,15 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ckpt import env
+from ckpt.defaults import created, process_defaults
 
 HOUSEKEEPING_JOIN_S = 120.0
 """How long :meth:`AsyncSaver.close` waits for retention still deleting old checkpoints."""
 
 logger = logging.getLogger(__name__)
+
+_SAVER = "async_save.saver"
+"""The key of the one-off functions' saver in ``ckpt.defaults``."""
 
 SaveRunner = Callable[[dict[str, Any], float], str]
 
@@ -324,9 +328,7 @@ class AsyncSaver:
 
 def default_saver() -> AsyncSaver:
     """The saver of the module-level :func:`ckpt.save` (``ckpt.defaults``; a manager owns its own)."""
-    from ckpt.defaults import process_defaults  # the defaults module imports this one
-
-    return process_defaults().saver
+    return process_defaults().part(_SAVER, AsyncSaver)
 
 
 def wait_pending(timeout: float | None = None) -> str | None:
@@ -344,10 +346,9 @@ def close(timeout: float | None = None) -> str | None:
     Every rank calls it, before ``destroy_process_group``. Creates nothing when no
     one-off function ran in this process.
     """
-    from ckpt.defaults import created
-
     defaults = created()
-    return None if defaults is None else defaults.saver.close(timeout)
+    saver = None if defaults is None else defaults.existing(_SAVER)
+    return None if saver is None else saver.close(timeout)
 
 
 def save_thread_nice() -> int:

@@ -3,29 +3,51 @@
 A :class:`~ckpt.manager.CheckpointManager` owns its saver, storage faults and gloo
 group; the thin module functions (``ckpt.save``, ``ckpt.load``, ``ckpt.close``,
 ``ckpt.wait_pending``) have no owner, so they share one :class:`ProcessDefaults`,
-created on first use (never at import): the async saver (its at-exit drain is
-registered by the first async save), the storage fault registry (``CKPT_STORAGE_FAULTS``
-is read when it is created) and the checkpoint gloo group cached per default process
-group. Nothing else in ``ckpt`` keeps mutable module state.
+created on first use (never at import). It holds the checkpoint gloo group cached per
+default process group and the objects the modules that own their types make on first
+use: the async saver (``ckpt.async_save.default_saver``; its at-exit drain is
+registered by the first async save), the storage fault registry
+(``ckpt.faults.default_registry``; ``CKPT_STORAGE_FAULTS`` is read when it is made)
+and the S3 clients (``ckpt.backends.s3``). Nothing else in ``ckpt`` keeps mutable
+module state. This module imports nothing of ``ckpt``: the modules above ask it, it
+never asks them.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
-from ckpt.async_save import AsyncSaver
-from ckpt.faults import FaultRegistry
+T = TypeVar("T")
 
 
 class ProcessDefaults:
-    """The saver, fault registry and checkpoint group of the one-off functions."""
+    """The checkpoint group and the shared objects of the one-off functions."""
 
     def __init__(self) -> None:
-        self.saver = AsyncSaver()
-        self.faults = FaultRegistry(read_env=True)
+        self._parts: dict[Hashable, Any] = {}
         self._groups: dict[int, Any] = {}
         self._lock = threading.Lock()
+
+    def part(self, key: Hashable, create: Callable[[], T]) -> T:
+        """The object stored under ``key``, made by ``create()`` on first use.
+
+        ``create`` runs outside the lock (making an S3 client takes a while); when two
+        threads make one at once, the first stored wins and the other is dropped.
+        """
+        with self._lock:
+            found = self._parts.get(key)
+        if found is None:
+            made = create()
+            with self._lock:
+                found = self._parts.setdefault(key, made)
+        return found
+
+    def existing(self, key: Hashable) -> Any:
+        """The object stored under ``key``, or None (makes nothing)."""
+        with self._lock:
+            return self._parts.get(key)
 
     def checkpoint_group(self, default_group: Any, create: Any) -> Any:
         """The gloo group for checkpoint collectives over ``default_group`` (made once)."""

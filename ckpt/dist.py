@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ckpt import env, errors
+from ckpt.defaults import created, process_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,6 @@ def new_checkpoint_group(
 
 def _checkpoint_group() -> Any:
     """The one-off functions' checkpoint group over the default group (``ckpt.defaults``)."""
-    from ckpt.defaults import process_defaults  # defaults imports modules that import this
-
     default = dist.distributed_c10d._get_default_group()
     return process_defaults().checkpoint_group(default, new_checkpoint_group)
 
@@ -75,8 +74,6 @@ def release_groups() -> None:
     A reference to a destroyed gloo group that lives until interpreter teardown can
     abort the process there ("terminate called without an active exception").
     """
-    from ckpt.defaults import created
-
     defaults = created()
     if defaults is not None:
         defaults.release_groups()

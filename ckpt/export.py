@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ckpt.backends.local import LocalSink
 from ckpt.checksum import crc32c_of
 from ckpt.discovery import COMMITTED, resolve
 from ckpt.errors import CorruptCheckpointError, ExportError
@@ -79,7 +80,7 @@ from ckpt.layout import DCP_METADATA_NAME
 from ckpt.manifest import Manifest
 from ckpt.quarantine import parse_quarantined_dirname
 from ckpt.reader import ShardReader
-from ckpt.storage import Storage, _LocalSink, crc32c_of_object
+from ckpt.storage import Storage, crc32c_of_object
 from ckpt.tensorblob import view_tensor
 from ckpt.tiers import manager_record
 from ckpt.verify import MODE_FAST, VerifyReport, verify_dir
@@ -603,7 +604,7 @@ def _local_out(out: str) -> str:
 def _write_file(path: str, write: Callable[[Any], None]) -> None:
     """Write a new file through ``write(sink)``, with early writeback, and fsync it."""
     with open(path, "wb") as handle:
-        write(_LocalSink(handle, handle, write_behind=True))
+        write(LocalSink(handle, handle, write_behind=True))
         handle.flush()
         os.fsync(handle.fileno())
 

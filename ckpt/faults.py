@@ -40,10 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ckpt import env
+from ckpt.defaults import created, process_defaults
 from runcore.faultspec import split_fault_spec
 
 ENV_STORAGE_FAULTS = env.STORAGE_FAULTS
 T = TypeVar("T")
+_REGISTRY = "faults.registry"
+"""The key of the one-off functions' registry in ``ckpt.defaults``."""
 
 PHASES = ("shard", "metadata", "manifest", "complete", "read", "any")
 KINDS = (
@@ -292,10 +295,9 @@ class _Truncating:
 
 
 def default_registry() -> FaultRegistry:
-    """The registry of the one-off ``ckpt.save``/``ckpt.load`` (``ckpt.defaults``)."""
-    from ckpt.defaults import process_defaults  # the defaults module imports this one
-
-    return process_defaults().faults
+    """The registry of the one-off ``ckpt.save``/``ckpt.load`` (``ckpt.defaults``): made on
+    first use, reading ``CKPT_STORAGE_FAULTS`` then."""
+    return process_defaults().part(_REGISTRY, lambda: FaultRegistry(read_env=True))
 
 
 def install(*faults: StorageFault) -> None:
@@ -305,11 +307,10 @@ def install(*faults: StorageFault) -> None:
 
 def clear() -> None:
     """Remove every fault of the one-off functions' registry (creates nothing)."""
-    from ckpt.defaults import created
-
     defaults = created()
-    if defaults is not None:
-        defaults.faults.clear()
+    registry = None if defaults is None else defaults.existing(_REGISTRY)
+    if registry is not None:
+        registry.clear()
 
 
 def inject(*faults: StorageFault) -> contextlib.AbstractContextManager[list[StorageFault]]:

@@ -1,11 +1,12 @@
 """GCS objects at line rate: zero-copy uploads, parallel parts + compose, parallel ranged reads.
 
-:class:`~ckpt.storage.Storage` sends every ``gs://`` object write and ranged read
-through here (JSON API over plain ``http.client``, credentials and endpoint from the
-gcsfs filesystem the storage already holds):
+:class:`~ckpt.backends.gcs.GcsBackend` sends every ``gs://`` object write and ranged
+read through here (JSON API over plain ``http.client``, credentials and endpoint from
+the gcsfs filesystem the backend already holds; the part cutting and the parallel
+requests are :mod:`ckpt.backends.parts`, shared with S3):
 
 - Writes: the bytes a producer streams are *held*, not copied: a buffer of at least
-  ``ZERO_COPY_MIN_BYTES`` becomes a ``memoryview`` that is sent as the request body
+  ``ckpt.backends.parts.ZERO_COPY_MIN_BYTES`` becomes a ``memoryview`` that is sent as the request body
   (smaller pieces, zip headers mostly, are copied into a small staging buffer). An
   object of at most ``parallel_min_bytes`` goes up in one request (``uploadType=media``);
   a larger one is cut into ``part_bytes`` parts uploaded in parallel (``workers``
@@ -17,8 +18,8 @@ gcsfs filesystem the storage already holds):
 - Integrity without re-reading: each part's crc32c is computed from the held buffers
   by the thread that uploads it and compared with the crc32c the server reports for
   the uploaded part (a mismatch is a transient
-  :class:`~ckpt.errors.WriteVerificationError`: that part is sent again); the composed object's server-reported crc32c (GCS combines the parts')
-  must equal the crc32c streamed for the whole object (what the manifest records),
+  :class:`~ckpt.errors.WriteVerificationError`: that part is sent again); the composed
+  object's server-reported crc32c (GCS combines the parts') must equal the crc32c streamed for the whole object (what the manifest records),
   or the write fails before COMPLETE can be written.
 - Temporary parts are deleted after the compose, also when it or an upload failed.
   A process killed mid-upload leaves them inside the checkpoint directory, which
@@ -30,16 +31,12 @@ gcsfs filesystem the storage already holds):
   the caller's buffer: the shard reader recycles a few, see
   :meth:`~ckpt.storage.Storage.read_pipeline`).
 
-The producer must keep the memory behind the buffers it writes alive and unchanged
-until the write returns (``bytes`` are kept alive by the views themselves; raw
-buffers such as a tensor's storage handed out by ``torch.save`` are not, so the
-shard writer registers the tensors with ``stream.keep_alive``).
-
 Why (measured on fake-gcs-server, 2 cores, see BENCHMARKS.md): gcsfs ``pipe`` of
 128 MiB took 1.9-3.0 s, one ``http.client`` request with a memoryview body 0.23-0.26 s;
 gcsfs copies each byte into its upload buffers and again per request.
 
-Tuning: :class:`GcsTransferOptions`, passed as ``StorageOptions(gcs=...)``.
+Tuning: :class:`GcsTransferOptions`, passed as ``StorageOptions(transfer=...)`` (or
+``StorageOptions(gcs=...)``).
 """
 
 from __future__ import annotations
@@ -48,23 +45,18 @@ import base64
 import http.client
 import json
 import logging
-import mmap
 import os
 import queue
 import threading
 import uuid
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote, urlsplit
 
+from ckpt.backends.base import Calls
+from ckpt.backends.parts import ParallelTransfer, Part, PartSink, part_crc, read_exactly_into
 from ckpt.checksum import ChecksummingWriter
-from ckpt.checksum import crc32c_extend as _crc_extend  # the fastest crc32c here, any buffer
 from ckpt.errors import StorageError, WriteVerificationError
-
-if TYPE_CHECKING:
-    from ckpt.storage import FileRecord, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +68,6 @@ WORKERS = 4
 READ_PART_BYTES = 16 << 20
 COMPOSE_MAX_COMPONENTS = 32
 """GCS accepts at most 32 source objects per compose request."""
-ZERO_COPY_MIN_BYTES = 64 << 10
-"""Buffers at least this large are sent as they are; smaller ones are copied (cheap)."""
 PARTS_DIRNAME = ".parts"
 """Temporary part objects live in ``<checkpoint dir>/.parts/`` until composed."""
 
@@ -190,12 +180,7 @@ class GcsClient:
                     raise FileNotFoundError(f"{method} {url}: 404 {text}")
                 raise GcsHttpError(response.status, f"{method} {url}: {text}")
             if into is not None:
-                got = 0
-                while got < into.nbytes:
-                    n = response.readinto(into[got:])
-                    if not n:
-                        break
-                    got += n
+                got = read_exactly_into(response, into)
                 if got != into.nbytes or response.read(1):
                     raise WriteVerificationError(
                         f"{method} {url}: expected {into.nbytes} bytes, got {got} or more"
@@ -323,352 +308,136 @@ class GcsClient:
         )
 
 
-class _Part:
-    """Buffers of one part: views held, not copied; size, and crc32c once computed."""
-
-    __slots__ = ("buffers", "crc", "owners", "size")
-
-    def __init__(self, owners: list[Any]) -> None:
-        self.buffers: list[memoryview | bytes] = []
-        self.size = 0
-        self.crc: int | None = None
-        # The owners of raw buffers live as long as any part does (also in an upload
-        # thread abandoned after a timeout, which may still be reading the views).
-        self.owners = owners
-
-
-class PartSink:
-    """Raw stream under a :class:`ChecksummingWriter`: cuts what is written into parts.
-
-    ``write`` holds large buffers as views and copies small ones; every full part is
-    handed to ``on_part`` (which may start uploading it) once more than
-    ``parallel_min_bytes`` were written (the object will be uploaded in parts).
-    """
-
-    def __init__(
-        self, part_bytes: int, parallel_min_bytes: int, on_part: Callable[[int, _Part], None]
-    ) -> None:
-        self._part_bytes = part_bytes
-        self._parallel_min = parallel_min_bytes
-        self.size = 0
-        self._on_part = on_part
-        self.owners: list[Any] = []
-        """Objects that own raw buffers written here; kept alive as long as the parts."""
-        self._parts: list[_Part] = [_Part(self.owners)]
-        self._small = bytearray()
-        self._flushed_to = 0  # parts handed to on_part
-
-    def keep_alive(self, owner: Any) -> None:
-        self.owners.append(owner)
-
-    def _add(self, piece: memoryview | bytes) -> None:
-        """Append ``piece`` to the open part(s), splitting at part boundaries."""
-        view = memoryview(piece).cast("B")
-        while view.nbytes:
-            part = self._parts[-1]
-            room = self._part_bytes - part.size
-            if room == 0:
-                self._parts.append(_Part(self.owners))
-                continue
-            take = view[:room] if view.nbytes > room else view
-            part.buffers.append(take)
-            part.size += take.nbytes
-            self.size += take.nbytes
-            view = view[take.nbytes :]
-        if self.size > self._parallel_min:
-            self._hand_off()
-
-    def _flush_small(self) -> None:
-        if self._small:
-            data = bytes(self._small)
-            self._small.clear()
-            self._add(data)
-
-    def _hand_off(self) -> None:
-        # Every part before the open one is full and final.
-        while self._flushed_to < len(self._parts) - 1:
-            self._on_part(self._flushed_to, self._parts[self._flushed_to])
-            self._flushed_to += 1
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        n = view.nbytes
-        if n >= ZERO_COPY_MIN_BYTES:
-            self._flush_small()
-            self._add(view)
-        else:
-            self._small += view
-        return n
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> list[_Part]:
-        """The parts (the last one possibly short), or one part holding everything
-        when the object is not larger than ``parallel_min_bytes``."""
-        self._flush_small()
-        if self.size > self._parallel_min or len(self._parts) == 1:
-            return self._parts
-        whole = _Part(self.owners)
-        for part in self._parts:
-            whole.buffers += part.buffers
-            whole.size += part.size
-        return [whole]
-
-    @property
-    def handed_off(self) -> int:
-        return self._flushed_to
-
-
-def part_crc(part: _Part) -> int:
-    """crc32c of a part's bytes, computed once, in the thread that uploads it (one
-    request of a whole object is checked against the stream's crc32c instead)."""
-    if part.crc is None:
-        crc = 0
-        for buffer in part.buffers:
-            crc = _crc_extend(crc, buffer)
-        part.crc = crc
-    return part.crc
-
-
 def _encode(crc: int) -> str:
     return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
 
 
-class GcsTransfer:
-    """Parallel, zero-copy object transfers for one :class:`Storage` on ``gs://``.
+class GcsTransfer(ParallelTransfer):
+    """Parallel, zero-copy object transfers for ``gs://`` (a connection pool and a thread
+    pool, shared by a storage and its children)."""
 
-    Shared by a storage and its children; holds a connection pool and a thread pool.
-    """
+    scheme = "gs"
 
-    def __init__(self, storage: Storage, options: GcsTransferOptions) -> None:
-        self.options = options
-        self.client = GcsClient(storage.fs, storage.options.timeout_s)
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
-        self._pid = os.getpid()
+    def __init__(self, fs: Any, options: GcsTransferOptions, timeout_s: float) -> None:
+        super().__init__(options)
+        self.client = GcsClient(fs, timeout_s)
 
-    def _executor(self) -> ThreadPoolExecutor:
-        if os.getpid() != self._pid:  # a forked child has none of the parent's threads
-            self._pool, self._pool_lock, self._pid = None, threading.Lock(), os.getpid()
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.options.workers, thread_name_prefix="ckpt-gcs"
-                )
-            return self._pool
+    def put_whole(
+        self, path: str, part: Part, stream: ChecksummingWriter, calls: Calls, phase: str
+    ) -> None:
+        bucket, name = _split(path)
 
-    # -- writes -----------------------------------------------------------------------
+        def once() -> None:
+            resource = self.client.upload(bucket, name, calls.body(part.buffers))
+            _check_resource(self.url(path), resource, stream.size, stream.crc32c)
 
-    def write(
+        calls.call(f"write {self.url(path)}", phase, once)
+
+    def start_parts(self, path: str, calls: Calls, phase: str) -> str:
+        return uuid.uuid4().hex[:12]  # names this upload's temporary part objects
+
+    def put_part(
+        self, upload: str, path: str, index: int, part: Part, calls: Calls, phase: str
+    ) -> None:
+        ppath = _part_path(path, upload, index)
+        bucket, name = _split(ppath)
+
+        def once() -> None:
+            resource = self.client.upload(bucket, name, calls.body(part.buffers))
+            _check_resource(self.url(ppath), resource, part.size, _encode(part_crc(part)))
+
+        calls.call(f"upload part {self.url(ppath)}", phase, once)
+
+    def finish_parts(
         self,
-        storage: Storage,
-        key: str,
-        produce: Callable[[ChecksummingWriter], None],
-        *,
-        phase: str,
-    ) -> FileRecord:
-        """Upload what ``produce`` streams as the object ``key``; verified on return."""
-        from ckpt.storage import FileRecord
-
-        bucket, name = _split(storage.path(key))
-        token = uuid.uuid4().hex[:12]
-        futures: dict[int, Future[None]] = {}
-        pool = self._executor()
-        inflight = threading.BoundedSemaphore(self.options.workers * 2)
-
-        def upload_part(index: int, part: _Part) -> None:
-            try:
-                self._upload_part(storage, key, part_key(key, token, index), part, phase)
-            finally:
-                inflight.release()
-
-        def on_part(index: int, part: _Part) -> None:
-            # Bounded: at most 2 x workers parts queued or in flight (their copies of small
-            # pieces are all that costs memory; large buffers are views).
-            if any(f.done() and not f.cancelled() and f.exception() for f in futures.values()):
-                return  # a part gave up: send no more (raising here would go through
-                # torch.save, which rewraps errors); the wait below raises its error
-            inflight.acquire()
-            futures[index] = pool.submit(upload_part, index, part)
-
-        sink = PartSink(self.options.part_bytes, self.options.parallel_min_bytes, on_part)
-        stream = ChecksummingWriter(sink)
-        stream.keep_alive = sink.keep_alive  # type: ignore[attr-defined]
-        try:
-            produce(stream)
-            parts = sink.close()
-            if len(parts) == 1:
-                self._upload_whole(storage, key, parts[0], stream, phase)
-            else:
-                for index in range(sink.handed_off, len(parts)):
-                    on_part(index, parts[index])
-                self._wait(futures)
-                self._compose(storage, key, token, parts, stream)
-        finally:
-            for future in futures.values():
-                future.cancel()
-            self._wait(futures, raise_first=False)
-            if futures:
-                self._remove_parts(storage, key, token, len(sink.close()))
-        logger.debug("gcs: wrote gs://%s/%s (%d bytes)", bucket, name, stream.size)
-        return FileRecord(key, stream.size, stream.crc32c)
-
-    def _wait(self, futures: dict[int, Future[None]], *, raise_first: bool = True) -> None:
-        first: BaseException | None = None
-        for index in sorted(futures):
-            future = futures[index]
-            if future.cancelled():
-                continue
-            try:
-                future.result()
-            except BaseException as exc:
-                if first is None:
-                    first = exc
-        if first is not None and raise_first:
-            raise first
-
-    def _upload_part(self, storage: Storage, key: str, pkey: str, part: _Part, phase: str) -> None:
-        bucket, name = _split(storage.path(pkey))
-
-        def once() -> None:
-            body = _body(storage, part.buffers)
-            resource = self.client.upload(bucket, name, body)
-            _check_resource(storage.url(pkey), resource, part.size, _encode(part_crc(part)))
-
-        storage._call(f"upload part {storage.url(pkey)}", phase, once)
-
-    def _upload_whole(
-        self, storage: Storage, key: str, part: _Part, stream: ChecksummingWriter, phase: str
+        upload: str,
+        path: str,
+        parts: list[Part],
+        stream: ChecksummingWriter,
+        calls: Calls,
     ) -> None:
-        bucket, name = _split(storage.path(key))
-
-        def once() -> None:
-            resource = self.client.upload(bucket, name, _body(storage, part.buffers))
-            _check_resource(storage.url(key), resource, stream.size, stream.crc32c)
-
-        storage._call(f"write {storage.url(key)}", phase, once)
-
-    def _compose(
-        self, storage: Storage, key: str, token: str, parts: list[_Part], stream: ChecksummingWriter
-    ) -> None:
-        sources = [part_key(key, token, i) for i in range(len(parts))]
+        sources = [_part_path(path, upload, i) for i in range(len(parts))]
         level = 0
         while len(sources) > COMPOSE_MAX_COMPONENTS:
             merged = []
             for g in range(0, len(sources), COMPOSE_MAX_COMPONENTS):
-                target = f"{PARTS_DIRNAME}/{key}.{token}.c{level}-{g // COMPOSE_MAX_COMPONENTS}"
-                self._compose_call(storage, target, sources[g : g + COMPOSE_MAX_COMPONENTS])
+                target = _composite_path(path, upload, level, g // COMPOSE_MAX_COMPONENTS)
+                self._compose_call(target, sources[g : g + COMPOSE_MAX_COMPONENTS], calls)
                 merged.append(target)
             sources, level = merged, level + 1
-        resource = self._compose_call(storage, key, sources)
+        resource = self._compose_call(path, sources, calls)
         size = int(resource.get("size", -1))
         remote = resource.get("crc32c")
         if size != stream.size or remote != stream.crc32c:
             # Parts changed between their upload and the compose (or the server combined
             # them wrongly): never let this object be committed.
             raise WriteVerificationError(
-                f"{storage.url(key)}: composed object has {size} bytes, crc32c {remote}; "
+                f"{self.url(path)}: composed object has {size} bytes, crc32c {remote}; "
                 f"streamed {stream.size} bytes, crc32c {stream.crc32c}. A part was altered "
                 "after its upload; this save fails and the object must not be used."
             )
 
-    def _compose_call(self, storage: Storage, key: str, sources: list[str]) -> dict[str, Any]:
-        bucket, name = _split(storage.path(key))
-        names = [_split(storage.path(s))[1] for s in sources]
-        return storage._call(
-            f"compose {storage.url(key)} from {len(names)} parts",
+    def _compose_call(self, path: str, sources: list[str], calls: Calls) -> dict[str, Any]:
+        bucket, name = _split(path)
+        names = [_split(s)[1] for s in sources]
+        return calls.call(
+            f"compose {self.url(path)} from {len(names)} parts",
             "compose",
             lambda: self.client.compose(bucket, name, names),
         )
 
-    def _remove_parts(self, storage: Storage, key: str, token: str, count: int) -> None:
-        """Delete the temporary parts (and intermediate composites); best effort, logged."""
-        keys = [part_key(key, token, i) for i in range(count)]
+    def end_parts(self, upload: str, path: str, count: int, finished: bool, calls: Calls) -> None:
+        """Delete the temporary parts (and intermediate composites), also after a failure;
+        best effort, logged."""
+        paths = [_part_path(path, upload, i) for i in range(count)]
         n, level = count, 0
         while n > COMPOSE_MAX_COMPONENTS:
             groups = -(-n // COMPOSE_MAX_COMPONENTS)
-            keys += [f"{PARTS_DIRNAME}/{key}.{token}.c{level}-{g}" for g in range(groups)]
+            paths += [_composite_path(path, upload, level, g) for g in range(groups)]
             n, level = groups, level + 1
 
-        def remove(pkey: str) -> None:
-            bucket, name = _split(storage.path(pkey))
-            storage._call(
-                f"delete part {storage.url(pkey)}",
+        def remove(ppath: str) -> None:
+            bucket, name = _split(ppath)
+            calls.call(
+                f"delete part {self.url(ppath)}",
                 "cleanup",
                 lambda: self.client.delete(bucket, name),
             )
 
         failures = []
-        for pkey, future in [(k, self._executor().submit(remove, k)) for k in keys]:
+        for ppath, future in [(p, self.executor().submit(remove, p)) for p in paths]:
             try:
                 future.result()
             except Exception as exc:  # never hide the write's own outcome
-                failures.append((pkey, exc))
+                failures.append((ppath, exc))
         if failures:
             logger.warning(
                 "gcs: could not delete %d temporary part(s) of %s (first: %s: %s); they sit "
                 "in %s/ and go with the checkpoint directory (python -m ckpt gc)",
                 len(failures),
-                storage.url(key),
+                self.url(path),
                 type(failures[0][1]).__name__,
                 failures[0][1],
-                storage.url(PARTS_DIRNAME),
+                self.url(_parts_dir(path)),
             )
 
-    # -- reads ------------------------------------------------------------------------
-
-    def read_range(
-        self, storage: Storage, key: str, start: int, end: int, phase: str
-    ) -> bytearray | mmap.mmap:
-        """Bytes ``[start, end)`` of ``key``, in parallel ranged requests when large.
-
-        A large result is an anonymous ``mmap``: ``bytearray(n)`` zero-fills every page
-        before the download writes it (0.07-0.09 s per 128 MiB here).
-        """
-        out = _fresh_buffer(end - start)
-        self.read_into(storage, key, start, memoryview(out), phase)
-        return out
-
-    def read_into(
-        self, storage: Storage, key: str, start: int, into: memoryview, phase: str
-    ) -> None:
-        """Bytes ``[start, start + len(into))`` of ``key`` into ``into``: ranges of
-        ``read_part_bytes`` in parallel (``workers``), each one retried storage call."""
-        bucket, name = _split(storage.path(key))
-        end = start + into.nbytes
-        step = self.options.read_part_bytes
-
-        def fetch(lo: int, hi: int) -> None:
-            storage._call(
-                f"read {storage.url(key)}[{lo}:{hi}]",
-                phase,
-                lambda: self.client.read_into(bucket, name, lo, into[lo - start : hi - start]),
-            )
-
-        if end - start <= step:
-            if end > start:
-                fetch(start, end)
-            return
-        futures = [
-            self._executor().submit(fetch, lo, min(end, lo + step))
-            for lo in range(start, end, step)
-        ]
-        errors = []
-        for future in futures:
-            try:
-                future.result()
-            except BaseException as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+    def get_range_into(self, path: str, start: int, into: memoryview) -> None:
+        bucket, name = _split(path)
+        self.client.read_into(bucket, name, start, into)
 
 
-def _fresh_buffer(nbytes: int) -> bytearray | mmap.mmap:
-    """A writable buffer of ``nbytes`` whose pages are first touched by the download."""
-    if nbytes < ZERO_COPY_MIN_BYTES:
-        return bytearray(nbytes)
-    return mmap.mmap(-1, nbytes)
+def _parts_dir(path: str) -> str:
+    """Where the temporary parts of the object ``path`` live: ``.parts/`` beside it."""
+    return f"{path.rpartition('/')[0]}/{PARTS_DIRNAME}"
+
+
+def _part_path(path: str, token: str, index: int) -> str:
+    parent, _, name = path.rpartition("/")
+    return f"{parent}/{part_key(name, token, index)}"
+
+
+def _composite_path(path: str, token: str, level: int, group: int) -> str:
+    return f"{_parts_dir(path)}/{path.rpartition('/')[2]}.{token}.c{level}-{group}"
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -688,11 +457,6 @@ def _check_resource(url: str, resource: dict[str, Any], size: int, crc: str) -> 
         )
 
 
-def _body(storage: Storage, buffers: list[memoryview | bytes]) -> list[memoryview | bytes]:
-    """The body to send: the buffers, or what an armed ``truncate`` fault leaves of them."""
-    return storage.faults.body(buffers) if storage.faults.armed else buffers
-
-
 __all__ = [
     "COMPOSE_MAX_COMPONENTS",
     "PARTS_DIRNAME",
@@ -702,5 +466,6 @@ __all__ = [
     "GcsTransferOptions",
     "PartSink",
     "is_part_key",
+    "part_crc",
     "part_key",
 ]

@@ -308,8 +308,7 @@ class RootLease:
         with self._lock:
             if self.held:
                 return None
-            if self.storage.is_local:  # a root is created once, at the start of its job
-                os.makedirs(self.storage.path(), exist_ok=True)
+            self._store.prepare()
             for _ in range(8):  # each lost compare-and-swap re-reads the record
                 raw, version = self._read()
                 now = self._clock()

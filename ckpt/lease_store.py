@@ -10,6 +10,9 @@ One store per kind of backend, behind :class:`LeaseStore`; :func:`store_for` pic
   with ``O_EXCL`` instead.
 - :class:`GcsLeaseStore` (``gs://``): one object ``OWNER`` written by a multipart upload
   with ``ifGenerationMatch`` (0: only if absent), removed with the same precondition.
+- :class:`S3LeaseStore` (``s3://``): one object ``OWNER`` written with S3's conditional
+  writes (``If-None-Match: *`` when absent, ``If-Match`` its ETag), removed with
+  ``If-Match``.
 - :class:`FsspecLeaseStore` (anything else, ``memory://``): one object, checked then
   written under a process lock (``memory://`` lives in one process).
 """
@@ -22,6 +25,7 @@ import threading
 import uuid
 from typing import Any, Protocol
 
+from ckpt.backends.local import fsync_dir
 from ckpt.errors import ObjectNotFoundError, StorageError
 from ckpt.gcs_parts import GcsHttpError
 from ckpt.layout import LEASE_NAME, LEASE_RECORD_RE, LEASE_TMP_PREFIX
@@ -50,6 +54,10 @@ class LeaseStore(Protocol):
 
     def root_identity(self) -> Any:
         """What identifies the root itself (local: device and inode), or None."""
+        ...
+
+    def prepare(self) -> None:
+        """Make the root exist where the record needs it to (a local directory)."""
         ...
 
 
@@ -106,7 +114,7 @@ class LocalLeaseStore:
                     os.unlink(os.path.join(self.dir, f"OWNER.{old:010d}"))
                 except FileNotFoundError:
                     pass
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         return new
 
     def delete(self, version: Any) -> None:
@@ -114,7 +122,7 @@ class LocalLeaseStore:
             os.unlink(os.path.join(self.dir, f"OWNER.{int(version):010d}"))
         except FileNotFoundError:
             pass
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     @staticmethod
     def _create_exclusive(path: str, data: bytes) -> None:
@@ -131,12 +139,15 @@ class LocalLeaseStore:
         st = os.stat(self.dir)
         return st.st_dev, st.st_ino
 
+    def prepare(self) -> None:
+        os.makedirs(self.dir, exist_ok=True)  # a root is created once, at the start of its job
+
 
 class GcsLeaseStore:
     """One object ``OWNER`` written with ``ifGenerationMatch``."""
 
     def __init__(self, storage: Storage) -> None:
-        self.client = storage.gcs_client
+        self.client = storage.backend.transfer.client  # the GCS backend's JSON API client
         self.bucket, _, self.name = storage.path(LEASE_NAME).strip("/").partition("/")
 
     def read(self) -> tuple[bytes | None, Any]:
@@ -159,6 +170,64 @@ class GcsLeaseStore:
 
     def root_identity(self) -> Any:
         return None
+
+    def prepare(self) -> None:
+        pass
+
+
+class S3LeaseStore:
+    """One object ``OWNER`` written with ``If-None-Match: *`` (absent) or ``If-Match: ETag``
+    (S3's conditional writes), removed with ``If-Match``; the version is the ETag."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.client = storage.backend.transfer.client.client  # the S3 backend's botocore
+        self.bucket, _, self.key = storage.path(LEASE_NAME).strip("/").partition("/")
+        self.url = storage.url(LEASE_NAME)
+
+    def read(self) -> tuple[bytes | None, Any]:
+        from ckpt.backends.s3 import translated
+
+        try:
+            with translated(self.url):
+                answer = self.client.get_object(Bucket=self.bucket, Key=self.key)
+                return answer["Body"].read(MAX_MARKER_BYTES + 1), answer["ETag"]
+        except FileNotFoundError:
+            return None, ""
+
+    def write(self, data: bytes, version: Any) -> Any:
+        from ckpt.backends.s3 import S3Error, translated
+
+        condition = {"IfMatch": version} if version else {"IfNoneMatch": "*"}
+        try:
+            with translated(self.url):
+                answer = self.client.put_object(
+                    Bucket=self.bucket, Key=self.key, Body=data, **condition
+                )
+        except (S3Error, FileNotFoundError) as exc:
+            # 412: the record moved on (or appeared); 409: a concurrent conditional write
+            # won; 404: the record we read is gone.
+            if isinstance(exc, FileNotFoundError) or exc.code in (409, 412):
+                raise LeaseConflict() from None
+            raise
+        return answer["ETag"]
+
+    def delete(self, version: Any) -> None:
+        from ckpt.backends.s3 import S3Error, translated
+
+        try:
+            with translated(self.url):
+                self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=version)
+        except FileNotFoundError:
+            pass
+        except S3Error as exc:
+            if exc.code != 412:  # another version: someone else's, left as it is
+                raise
+
+    def root_identity(self) -> Any:
+        return None
+
+    def prepare(self) -> None:
+        pass
 
 
 class FsspecLeaseStore:
@@ -194,24 +263,14 @@ class FsspecLeaseStore:
     def root_identity(self) -> Any:
         return None
 
+    def prepare(self) -> None:
+        pass
+
+
+STORES: dict[str, type] = {"file": LocalLeaseStore, "gs": GcsLeaseStore, "s3": S3LeaseStore}
+"""The lease store of a backend (by its scheme); any other: :class:`FsspecLeaseStore`."""
+
 
 def store_for(storage: Storage) -> LeaseStore:
     """The store of ``storage``'s backend."""
-    if storage.gcs_client is not None:
-        return GcsLeaseStore(storage)
-    if storage.is_local:
-        return LocalLeaseStore(storage)
-    return FsspecLeaseStore(storage)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    return STORES.get(storage.backend.scheme, FsspecLeaseStore)(storage)

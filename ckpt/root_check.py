@@ -21,8 +21,6 @@ import socket
 import uuid
 from typing import Any
 
-from fsspec.implementations.local import LocalFileSystem
-
 from ckpt import dist as _dist
 from ckpt.errors import CheckpointDirError, StorageError
 from ckpt.faults import FaultRegistry
@@ -175,9 +173,9 @@ def check_root(
     def check() -> None:
         try:
             storage = Storage(root, options)
-            local = isinstance(storage.fs, LocalFileSystem)
+            local = storage.backend.scheme == "file"
             if local:
-                storage.fs.makedirs(storage.path(), exist_ok=True)
+                os.makedirs(storage.root_path, exist_ok=True)
             if coll.is_coordinator and not listing:
                 listing.append(storage.list_dir())  # raises why refuse() could not list
             storage.check_reachable()  # a missing bucket lists as empty

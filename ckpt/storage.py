@@ -1,18 +1,19 @@
-"""Storage layer: every byte of a checkpoint goes through fsspec, here.
+"""Storage layer: every byte of a checkpoint goes through a :class:`Storage`, here.
 
 A :class:`Storage` is rooted at a URL (local path, ``file://``, ``memory://``,
-``gs://bucket/prefix``) and addresses objects by a relative key. Every call has a
-timeout; transient failures (HTTP 408/429/5xx, timeouts, connection resets, a
-write whose size or crc32c does not match what was streamed) are retried with
-exponential backoff and jitter, bounded in attempts and total time; permanent ones
-(403, missing bucket or object, bad credentials) fail at once with a message that
-names the URL.
+``gs://bucket/prefix``, ``s3://bucket/prefix``, any fsspec URL) and addresses objects by
+a relative key. What differs between stores lives in a backend (:mod:`ckpt.backends`,
+chosen by the URL's scheme); what they share lives here: every request has a timeout;
+transient failures (HTTP 408/429/5xx, timeouts, connection resets, a write whose size
+or crc32c does not match what was streamed) are retried with exponential backoff and
+jitter, bounded in attempts and total time; permanent ones (403, missing bucket or
+object, bad credentials) fail at once with a message that names the URL; armed
+storage faults (:mod:`ckpt.faults`) act on the requests.
 
-Writes stream through a :class:`~ckpt.checksum.ChecksummingWriter`, are flushed,
-fsynced where the backend has a file descriptor, closed, and then checked: the
-object's size (and on GCS its crc32c) must equal what was streamed. On ``gs://``,
-uploads and ranged reads go through :mod:`ckpt.gcs_parts` (zero-copy bodies,
-parallel parts composed server-side, parallel ranged reads).
+Writes stream through a :class:`~ckpt.checksum.ChecksummingWriter` and are checked
+before they return: the object's size (and, where the store reports one, its crc32c)
+must equal what was streamed. Local files are fsynced; GCS and S3 send large objects
+as parallel parts (:mod:`ckpt.backends.parts`).
 
 Environment (read when :meth:`StorageOptions.from_env` is called; explicit
 arguments win over the environment, which wins over the defaults):
@@ -24,20 +25,13 @@ arguments win over the environment, which wins over the defaults):
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
-import mmap
-import os
-import shutil
-import stat
-import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import fsspec
 from tenacity import (
     RetryCallState,
     Retrying,
@@ -49,17 +43,17 @@ from tenacity import (
 
 from ckpt import env as _env
 from ckpt import faults
-from ckpt.checksum import ChecksummingWriter, crc32c_of_chunks
+from ckpt.backends import open_backend
+from ckpt.backends.base import DIR, FILE, LINK, OTHER, Backend, Produce
+from ckpt.checksum import crc32c_of_chunks
 from ckpt.errors import (
     ObjectNotFoundError,
     ObjectTooLargeError,
     StorageError,
-    StorageFullError,
     StoragePermanentError,
     StorageTimeoutError,
     WriteVerificationError,
 )
-from ckpt.gcs_parts import GcsTransfer, GcsTransferOptions
 from ckpt.layout import join_url
 
 logger = logging.getLogger(__name__)
@@ -67,18 +61,17 @@ logger = logging.getLogger(__name__)
 ENV_TIMEOUT_S = _env.STORAGE_TIMEOUT_S
 ENV_RETRIES = _env.STORAGE_RETRIES
 ENV_RETRY_TOTAL_S = _env.STORAGE_RETRY_TOTAL_S
-ENV_EMULATOR_HOST = _env.EMULATOR_HOST
-ENV_GCSFS_HNS = _env.GCSFS_HNS
-
-WRITE_BEHIND_BYTES = 16 << 20
-"""Local writes ask the kernel to start writing back every this many bytes (Linux)."""
-WRITE_PIECE_BYTES = 1 << 20
-"""Local writes pass big buffers to the file in slices of this size."""
 
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
-_PERMANENT_HTTP = frozenset({400, 401, 403, 404, 405, 409, 411, 412})
 _TRANSIENT_ERRNO = frozenset(
-    {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE}
+    {
+        errno.EAGAIN,
+        errno.EINTR,
+        errno.ETIMEDOUT,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.EPIPE,
+    }
 )
 
 T = TypeVar("T")
@@ -101,9 +94,15 @@ class StorageOptions:
     fsync: bool = True
     """fsync local files before close (durability)."""
     fs_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for the fsspec filesystem (e.g. ``token``, ``project``)."""
-    gcs: GcsTransferOptions = field(default_factory=GcsTransferOptions)
-    """How ``gs://`` objects are cut into parallel part uploads and ranged reads."""
+    """Extra keyword arguments for the fsspec filesystem (e.g. ``token``, ``project``,
+    ``endpoint_url``)."""
+    transfer: Any = None
+    """Tuning of the root's backend, an object of its own options class (how objects are
+    cut into parallel part uploads and ranged reads: e.g.
+    :class:`~ckpt.gcs_parts.GcsTransferOptions` for ``gs://``); ``None``: its defaults.
+    Backends without tuning ignore it."""
+    gcs: Any = None
+    """For ``gs://`` roots, the same as ``transfer`` (which wins when both are set)."""
     faults: faults.FaultRegistry | None = field(default=None, compare=False, repr=False)
     """Storage fault injection for these calls (``None``: the one-off functions' registry,
     ``ckpt.defaults``). Consulted only while it has a fault armed."""
@@ -149,6 +148,9 @@ def is_transient(exc: BaseException) -> bool:
     """Whether retrying the call that raised ``exc`` may succeed."""
     if isinstance(exc, StoragePermanentError | FileNotFoundError | PermissionError):
         return False
+    verdict = getattr(exc, "retryable", None)
+    if isinstance(verdict, bool):  # a backend's own verdict on its client's error
+        return verdict
     if isinstance(
         exc, StorageTimeoutError | WriteVerificationError | TimeoutError | ConnectionError
     ):
@@ -160,34 +162,6 @@ def is_transient(exc: BaseException) -> bool:
     if module.startswith("aiohttp") or type(exc).__name__ in ("ServerDisconnectedError",):
         return True
     return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO
-
-
-_DISK_FULL_ERRNO = frozenset({errno.ENOSPC, errno.EDQUOT})
-_TORCH_WRITE_FAILED = "inline_container"
-"""``torch.save`` into a full file raises ``RuntimeError: [enforce fail at
-inline_container.cc:NNN] . unexpected pos ...``: the ENOSPC is only its context."""
-
-
-def is_disk_full(exc: BaseException, path: str | None = None) -> bool:
-    """Whether ``exc`` (or an error it was raised from) means the disk or quota is full.
-
-    ENOSPC/EDQUOT anywhere in the chain; or torch's zip writer failing
-    (``inline_container``) while the filesystem of ``path`` has less than one write
-    piece free, for when the OSError itself was swallowed.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNO:
-            return True
-        current = current.__cause__ or current.__context__
-    if path is None or not isinstance(exc, RuntimeError) or _TORCH_WRITE_FAILED not in str(exc):
-        return False
-    try:
-        return shutil.disk_usage(os.path.dirname(path) or ".").free < WRITE_PIECE_BYTES
-    except OSError:
-        return False
 
 
 def _run_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
@@ -214,84 +188,18 @@ def _run_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     return box["value"]
 
 
-def _fs_for(url: str, fs_kwargs: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
-    protocol = url.split("://", 1)[0] if "://" in url else "file"
-    kwargs = dict(fs_kwargs)
-    if protocol in ("gs", "gcs"):
-        # gcsfs has no per-request timeout by default: a frozen server hangs a call for good.
-        kwargs.setdefault("requests_timeout", 60)
-    if protocol in ("gs", "gcs") and os.environ.get(ENV_EMULATOR_HOST):
-        # fake-gcs-server: no credentials, and no gRPC bucket-type probe (gcsfs reads
-        # the flag at import, so it must be set before the first gs:// URL is opened).
-        os.environ.setdefault(ENV_GCSFS_HNS, "false")
-        kwargs.setdefault("token", "anon")
-    return fsspec.core.url_to_fs(url, **kwargs)
+class CallPolicy:
+    """What every storage request runs under: a timeout, retries of transient errors with
+    backoff, the fault registry's planned failures, and errors turned into
+    :mod:`ckpt.errors` types. Backends get it as their
+    :class:`~ckpt.backends.base.Calls` for requests they make themselves (parts)."""
 
+    def __init__(self, options: StorageOptions, registry: faults.FaultRegistry) -> None:
+        self.options = options
+        self.faults = registry
 
-class Storage:
-    """Bounded, retried access to the objects under one root URL.
-
-    Any rank may create one; instances hold no open files between calls.
-    """
-
-    def __init__(self, root_url: str, options: StorageOptions | None = None) -> None:
-        if not isinstance(root_url, str) or not root_url:
-            raise TypeError(f"checkpoint root must be a non-empty str URL, got {root_url!r}")
-        self.root_url = root_url.rstrip("/") if root_url != "/" else root_url
-        self.options = options or StorageOptions.from_env()
-        try:
-            self.fs, self.root_path = _fs_for(self.root_url, self.options.fs_kwargs)
-        except (ImportError, ValueError) as exc:
-            raise StoragePermanentError(
-                f"cannot open storage for {self.root_url!r}: {exc}. "
-                "Check the URL scheme (local path, file://, memory://, gs://bucket/prefix)."
-            ) from exc
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        self._local = "file" in protocols or "local" in protocols
-        self._has_dirs = self._local or "memory" in protocols
-        # gs:// objects go through ckpt.gcs_parts: zero-copy bodies, parallel parts and
-        # ranged reads, server-side compose. gcsfs' GCSFile copied every byte into its
-        # buffer and again per request, one stream: 0.65 of one pipe() on the emulator.
-        gcs = "gs" in protocols or "gcs" in protocols
-        self._gcs: GcsTransfer | None = GcsTransfer(self, self.options.gcs) if gcs else None
-        self.faults = (
-            self.options.faults if self.options.faults is not None else faults.default_registry()
-        )
-        """The fault registry of this storage's calls (installed from outside: the options)."""
-
-    # -- addressing -------------------------------------------------------------------
-
-    def url(self, key: str = "") -> str:
-        """The user-facing URL of ``key`` (for messages and return values)."""
-        return join_url(self.root_url, key)
-
-    def path(self, key: str = "") -> str:
-        """The filesystem-internal path of ``key``."""
-        return join_url(self.root_path, key)
-
-    def child(self, key: str) -> Storage:
-        """A Storage rooted at ``key`` below this root, sharing options and filesystem."""
-        sub = object.__new__(Storage)
-        sub.root_url, sub.options, sub.fs = self.url(key), self.options, self.fs
-        sub.root_path, sub._local, sub._has_dirs = self.path(key), self._local, self._has_dirs
-        sub._gcs, sub.faults = self._gcs, self.faults
-        return sub
-
-    @property
-    def gcs_client(self) -> Any:
-        """The JSON API client of a ``gs://`` root (:class:`~ckpt.gcs_parts.GcsClient`), else
-        None: for the calls fsspec has no word for (generation preconditions)."""
-        return self._gcs.client if self._gcs is not None else None
-
-    @property
-    def is_local(self) -> bool:
-        """Whether the root is a local (or locally mounted) filesystem path."""
-        return self._local
-
-    # -- retry machinery --------------------------------------------------------------
-
-    def _call(self, what: str, phase: str, fn: Callable[[], T]) -> T:
-        """Run one storage call with timeout and retries (and injected faults, when armed)."""
+    def call(self, what: str, phase: str, fn: Callable[[], T]) -> T:
+        """Run one storage request with timeout and retries (and injected faults, when armed)."""
         opts = self.options
         registry = self.faults
 
@@ -341,96 +249,85 @@ class Storage:
                 "bucket or directory exists and that the credentials allow access."
             ) from exc
 
+    def stream(self, raw: Any) -> Any:
+        """``raw``, or under an armed ``truncate`` fault a stream that drops halves."""
+        return self.faults.sink(raw) if self.faults.armed else raw
+
+    def body(self, buffers: list[memoryview | bytes]) -> list[memoryview | bytes]:
+        """The buffers, or what an armed ``truncate`` fault leaves of them."""
+        return self.faults.body(buffers) if self.faults.armed else buffers
+
+
+class Storage:
+    """Bounded, retried access to the objects under one root URL.
+
+    Any rank may create one; instances hold no open files between calls. The bytes move
+    through :attr:`backend` (:mod:`ckpt.backends`); everything here is common to all.
+    """
+
+    def __init__(self, root_url: str, options: StorageOptions | None = None) -> None:
+        if not isinstance(root_url, str) or not root_url:
+            raise TypeError(f"checkpoint root must be a non-empty str URL, got {root_url!r}")
+        self.root_url = root_url.rstrip("/") if root_url != "/" else root_url
+        self.options = options or StorageOptions.from_env()
+        try:
+            backend, self.root_path = open_backend(self.root_url, self.options)
+        except (ImportError, ValueError) as exc:
+            raise StoragePermanentError(
+                f"cannot open storage for {self.root_url!r}: {exc}. Check the URL (a local "
+                "path, or scheme://...: ckpt.backends.BACKENDS lists the stores, any other "
+                "scheme goes through fsspec) and that the store's client library is installed."
+            ) from exc
+        self.backend: Backend = backend
+        """What moves the bytes for this root's URL scheme (shared with children)."""
+        self.faults = (
+            self.options.faults if self.options.faults is not None else faults.default_registry()
+        )
+        """The fault registry of this storage's calls (installed from outside: the options)."""
+        self.calls = CallPolicy(self.options, self.faults)
+        """Timeouts, retries and faults around each request (shared with children)."""
+
+    # -- addressing -------------------------------------------------------------------
+
+    def url(self, key: str = "") -> str:
+        """The user-facing URL of ``key`` (for messages and return values)."""
+        return join_url(self.root_url, key)
+
+    def path(self, key: str = "") -> str:
+        """The backend's path of ``key``."""
+        return join_url(self.root_path, key)
+
+    def child(self, key: str) -> Storage:
+        """A Storage rooted at ``key`` below this root, sharing options and backend."""
+        sub = object.__new__(Storage)
+        sub.root_url, sub.root_path, sub.options = self.url(key), self.path(key), self.options
+        sub.backend, sub.faults, sub.calls = self.backend, self.faults, self.calls
+        return sub
+
+    def _call(self, what: str, phase: str, fn: Callable[[], T]) -> T:
+        return self.calls.call(what, phase, fn)
+
     # -- writes -----------------------------------------------------------------------
 
-    def write(
-        self, key: str, produce: Callable[[ChecksummingWriter], None], *, phase: str
-    ) -> FileRecord:
+    def write(self, key: str, produce: Produce, *, phase: str) -> FileRecord:
         """Stream an object produced by ``produce(stream)``; durable and size-checked on return.
 
-        On a transient failure the whole object is produced again, so ``produce``
-        must be repeatable. On ``gs://`` it is produced once and the buffers it writes
-        are sent without copies (:mod:`ckpt.gcs_parts`): they must stay alive and
-        unchanged until this returns (raw buffers: register their owner with
-        ``stream.keep_alive(owner)`` where the stream has it).
+        On a transient failure the whole object may be produced again, so ``produce``
+        must be repeatable. On ``gs://`` and ``s3://`` it is produced once and the
+        buffers it writes are sent without copies (:mod:`ckpt.backends.parts`): they
+        must stay alive and unchanged until this returns (raw buffers: register their
+        owner with ``stream.keep_alive(owner)`` where the stream has it).
         """
-        if self._gcs is not None:
-            return self._gcs.write(self, key, produce, phase=phase)
-        path = self.path(key)
-
-        def write_once() -> FileRecord:
-            try:
-                if self._has_dirs:
-                    self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-                with self.fs.open(path, "wb") as raw:
-                    sink = self.faults.sink(raw) if self.faults.armed else raw
-                    if self._local:
-                        sink = _LocalSink(sink, raw, write_behind=self.options.fsync)
-                    stream = ChecksummingWriter(sink)
-                    produce(stream)
-                    raw.flush()
-                    if self._local and self.options.fsync:
-                        _fsync(raw)
-            except Exception as exc:
-                if self._local and is_disk_full(exc, path):
-                    raise self._disk_full(key, exc) from exc
-                raise
-            self._check_written(key, stream.size, stream.crc32c)
-            return FileRecord(key, stream.size, stream.crc32c)
-
-        return self._call(f"write {self.url(key)}", phase, write_once)
-
-    def _disk_full(self, key: str, exc: BaseException) -> StorageFullError:
-        """The partial file removed (its space comes back), and the error that says why."""
-        path = self.path(key)
-        try:
-            os.remove(path)
-        except OSError:
-            pass
-        where = self.root_path
-        try:
-            usage = shutil.disk_usage(where)
-            space = f"{usage.free} of {usage.total} bytes free there now"
-        except OSError:
-            space = "free space unknown"
-        return StorageFullError(
-            f"no space left on device under {self.root_url}: writing {self.url(key)} failed "
-            f"({type(exc).__name__}: {exc}; {space}). Free space on that filesystem, keep "
-            "fewer checkpoints, or use a root with room for at least two checkpoints."
-        )
+        size, crc32c = self.backend.write(self.path(key), produce, self.calls, phase=phase)
+        return FileRecord(key, size, crc32c)
 
     def write_bytes(self, key: str, data: bytes, *, phase: str) -> FileRecord:
         """Write a small object in one piece (JSON, markers)."""
         return self.write(key, lambda stream: stream.write(data), phase=phase)
 
-    def _check_written(self, key: str, size: int, crc32c: str) -> None:
-        path = self.path(key)
-        self.fs.invalidate_cache(path)
-        info = self.fs.info(path)
-        if int(info.get("size", -1)) != size:
-            raise WriteVerificationError(
-                f"{self.url(key)}: wrote {size} bytes but the object has {info.get('size')}"
-            )
-        remote_crc = info.get("crc32c")
-        if remote_crc and remote_crc != crc32c:
-            raise WriteVerificationError(
-                f"{self.url(key)}: crc32c after upload is {remote_crc}, streamed {crc32c}"
-            )
-
     def sync_dir(self, key: str = "") -> None:
-        """fsync a local directory so that new entries in it survive a power loss."""
-        if not (self._local and self.options.fsync):
-            return
-        try:
-            fd = os.open(self.path(key), os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        """Make new entries of a directory durable (fsync on a local root; else nothing)."""
+        self.backend.sync_dir(self.path(key))
 
     # -- reads ------------------------------------------------------------------------
 
@@ -443,10 +340,12 @@ class Storage:
         """
         path = self.path(key)
         if max_bytes is None:
-            return self._call(f"read {self.url(key)}", phase, lambda: self.fs.cat_file(path))
+            return self._call(
+                f"read {self.url(key)}", phase, lambda: self.backend.read(path, 0, None)
+            )
 
         def read_bounded() -> bytes:
-            data = bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
+            data = bytes(self.backend.read(path, 0, max_bytes + 1))
             if len(data) > max_bytes:
                 raise ObjectTooLargeError(
                     f"{self.url(key)} is larger than the {max_bytes} bytes expected of it"
@@ -455,53 +354,35 @@ class Storage:
 
         return self._call(f"read {self.url(key)}", phase, read_bounded)
 
-    def read_range(
-        self, key: str, start: int, end: int, *, phase: str = "read"
-    ) -> bytes | bytearray | mmap.mmap:
-        """Read bytes ``[start, end)`` with an explicit ranged request (no prefetching cache).
+    def read_range(self, key: str, start: int, end: int, *, phase: str = "read") -> Any:
+        """Read bytes ``[start, end)`` with explicit ranged requests (no prefetching cache).
 
-        On ``gs://`` a large range is fetched as several ranged requests in parallel.
+        On ``gs://`` and ``s3://`` a large range is fetched as several ranged requests in
+        parallel.
         """
-        if self._gcs is not None:
-            return self._gcs.read_range(self, key, start, end, phase)
-        path = self.path(key)
-
-        def read_once() -> bytes:
-            data = self.fs.cat_file(path, start=start, end=end)
-            if len(data) != end - start:
-                raise WriteVerificationError(
-                    f"{self.url(key)}: short read, asked bytes [{start}, {end}) got {len(data)}"
-                )
-            return data
-
-        return self._call(f"read {self.url(key)}[{start}:{end}]", phase, read_once)
+        return self.backend.read_range(self.path(key), start, end, self.calls, phase=phase)
 
     def read_range_into(
         self, key: str, start: int, into: memoryview, *, phase: str = "read"
     ) -> None:
         """Read bytes ``[start, start + len(into))`` into ``into`` (a reused buffer).
 
-        On ``gs://`` the download writes straight into it (parallel ranged requests);
-        elsewhere this is :meth:`read_range` plus a copy.
+        On ``gs://`` and ``s3://`` the download writes straight into it (parallel ranged
+        requests); elsewhere this is :meth:`read_range` plus a copy.
         """
-        if self._gcs is not None:
-            self._gcs.read_into(self, key, start, into, phase)
-            return
-        into[:] = self.read_range(key, start, start + into.nbytes, phase=phase)
+        self.backend.read_into(self.path(key), start, into, self.calls, phase=phase)
 
     def read_pipeline(self) -> tuple[int | None, int]:
         """How a shard reader should read this storage: ``(span bytes, spans in flight)``.
 
-        Local files: the reader's own span size, one span ahead. ``gs://``: spans of
-        one ranged request each, ``workers`` of them in flight, into recycled buffers,
-        so a load of any size touches only that many buffers' pages (page faults on
-        fresh buffers were a third of a 128 MiB download from the emulator).
+        Local files: the reader's own span size, one span ahead. Object stores: spans of
+        one ranged request each, several in flight, into recycled buffers.
         """
-        if self._gcs is None:
-            return None, 1
-        return self._gcs.options.read_part_bytes, self._gcs.options.workers
+        return self.backend.read_pipeline()
 
-    def read_chunks(self, key: str, *, chunk_bytes: int = 16 << 20, phase: str = "read"):
+    def read_chunks(
+        self, key: str, *, chunk_bytes: int = 16 << 20, phase: str = "read"
+    ) -> Iterator[Any]:
         """Yield an object's bytes in order, one bounded ranged read per chunk."""
         size = self.size(key)
         for start in range(0, size, chunk_bytes):
@@ -510,12 +391,7 @@ class Storage:
     def info(self, key: str) -> dict[str, Any]:
         """Object metadata (``size``; ``crc32c`` where the backend reports one)."""
         path = self.path(key)
-
-        def info_once() -> dict[str, Any]:
-            self.fs.invalidate_cache(path)
-            return self.fs.info(path)
-
-        return self._call(f"stat {self.url(key)}", "read", info_once)
+        return self._call(f"stat {self.url(key)}", "read", lambda: self.backend.info(path))
 
     def size(self, key: str) -> int:
         return int(self.info(key)["size"])
@@ -535,34 +411,12 @@ class Storage:
         :data:`OTHER` for anything else (a socket, a device).
         """
         path = self.path(key)
-        if self._local:
-            return self._call(f"list {self.url(key)}", "read", lambda: _local_entries(path))
-
-        def ls_once() -> list[tuple[str, str]]:
-            self.fs.invalidate_cache(path)
-            try:
-                entries = self.fs.ls(path, detail=True)
-            except FileNotFoundError:
-                return []
-            out = []
-            for entry in entries:
-                name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-                if entry["name"].rstrip("/") == path.rstrip("/"):
-                    continue
-                out.append((name, DIR if entry.get("type") == "directory" else FILE))
-            return out
-
-        return self._call(f"list {self.url(key)}", "read", ls_once)
+        return self._call(f"list {self.url(key)}", "read", lambda: self.backend.list_dir(path))
 
     def local_kind(self, key: str) -> str | None:
         """What ``key`` is on a local filesystem, from ``lstat`` (a link is :data:`LINK`, not
         what it points to); None on other backends or when it does not exist."""
-        if not self._local:
-            return None
-        try:
-            return _kind(os.lstat(self.path(key)).st_mode)
-        except OSError:
-            return None
+        return self.backend.kind(self.path(key))
 
     def list_files(self, key: str = "") -> dict[str, dict[str, Any]]:
         """Every file below ``key`` (recursively) as ``{relative path: info dict}``.
@@ -571,19 +425,8 @@ class Storage:
         ``"type": LINK`` (and anything not a regular file ``"type": OTHER``), so a caller
         can refuse them before reading or deleting through them.
         """
-        path = self.path(key).rstrip("/")
-        if self._local:
-            return self._call(f"list {self.url(key)}", "read", lambda: _local_files(path))
-
-        def find_once() -> dict[str, dict[str, Any]]:
-            self.fs.invalidate_cache(path)
-            try:
-                found = self.fs.find(path, detail=True)
-            except FileNotFoundError:
-                return {}
-            return {name.removeprefix(path + "/"): meta for name, meta in found.items()}
-
-        return self._call(f"list {self.url(key)}", "read", find_once)
+        path = self.path(key)
+        return self._call(f"list {self.url(key)}", "read", lambda: self.backend.list_files(path))
 
     def check_reachable(self) -> None:
         """Fail clearly if the root cannot exist: a missing bucket, a file where a
@@ -593,26 +436,9 @@ class Storage:
         this when it finds nothing: a typo in a bucket name must not look like a
         fresh run.
         """
-        if self._local:
-            parent = self.root_path
-            while parent and not os.path.exists(parent):
-                parent = os.path.dirname(parent.rstrip("/"))
-            if parent and not os.path.isdir(parent):
-                raise StoragePermanentError(
-                    f"{self.root_url}: {parent} is a file, so the checkpoint root cannot be "
-                    "created there; choose another directory"
-                )
-            return
-        if self._has_dirs:
-            return
-        bucket = self.root_path.strip("/").split("/", 1)[0]
-        try:
-            self._call(f"stat bucket {bucket}", "read", lambda: self.fs.info(bucket))
-        except ObjectNotFoundError as exc:
-            raise StoragePermanentError(
-                f"{self.root_url}: the bucket {bucket!r} does not exist or is not visible with "
-                "these credentials; create it, fix the URL, or check the account's permissions"
-            ) from exc
+        problem = self.backend.check_reachable(self.root_path, self.calls)
+        if problem is not None:
+            raise StoragePermanentError(f"{self.root_url}: {problem}")
 
     def move_tree(self, src: str, dst: str) -> None:
         """Move ``src`` and everything below it to ``dst`` (which must not exist).
@@ -621,191 +447,36 @@ class Storage:
         the source, so an interrupted move leaves the source whole (the caller makes that
         safe) and possibly some copies at ``dst``, which a repeated move overwrites.
         """
-        if self._local:
-            src_path, dst_path = self.path(src), self.path(dst)
-            self._call(
-                f"rename {self.url(src)} -> {self.url(dst)}",
-                "any",
-                lambda: os.rename(src_path, dst_path),
-            )
-            return
-        for name in sorted(self.list_files(src)):
-            source, target = self.path(f"{src}/{name}"), self.path(f"{dst}/{name}")
-            self._call(
-                f"copy {self.url(f'{src}/{name}')} -> {self.url(f'{dst}/{name}')}",
-                "any",
-                lambda s=source, t=target: self.fs.copy(s, t),
-            )
-        self.remove_tree(src)
+        self.backend.move_tree(self.path(src), self.path(dst), self.calls)
 
     # -- deletes ----------------------------------------------------------------------
 
     def remove(self, key: str) -> None:
         """Delete one object; a missing one is fine."""
         path = self.path(key)
-
-        def rm_once() -> None:
-            try:
-                self.fs.rm_file(path)
-            except FileNotFoundError:
-                pass
-
-        self._call(f"delete {self.url(key)}", "any", rm_once)
+        self._call(f"delete {self.url(key)}", "any", lambda: self.backend.remove(path))
 
     def remove_tree(self, key: str) -> None:
         """Delete ``key`` and everything below it; a missing one is fine."""
         path = self.path(key)
-
-        def rm_once() -> None:
-            try:
-                self.fs.rm(path, recursive=True)
-            except FileNotFoundError:
-                pass
-
-        self._call(f"delete {self.url(key)}/", "any", rm_once)
-
-
-DIR = "directory"
-FILE = "file"
-LINK = "link"
-OTHER = "other"
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return DIR
-    if stat.S_ISREG(mode):
-        return FILE
-    return LINK if stat.S_ISLNK(mode) else OTHER
-
-
-def _entry_kind(entry: os.DirEntry[str]) -> str:
-    """What a directory entry is, from the directory itself (``d_type``; a stat only where
-    the filesystem does not say), never following a link."""
-    if entry.is_symlink():
-        return LINK
-    if entry.is_dir(follow_symlinks=False):
-        return DIR
-    return FILE if entry.is_file(follow_symlinks=False) else OTHER
-
-
-def _local_entries(path: str) -> list[tuple[str, str]]:
-    """``(name, kind)`` of a local directory's entries, links not followed. The type comes
-    from the directory (``d_type``), not a stat per entry as fsspec's ``ls(detail=True)``
-    does, so a root of 1,000 checkpoints lists as fast as one of 10 (bench ``curves``)."""
-    try:
-        with os.scandir(path) as it:
-            return [(entry.name, _entry_kind(entry)) for entry in it]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _local_files(path: str) -> dict[str, dict[str, Any]]:
-    """Every entry below a local directory but directories, recursively, from ``lstat``:
-    a symbolic link is an entry of its own (type ``link``), never descended into."""
-    out: dict[str, dict[str, Any]] = {}
-    pending = [""]
-    while pending:
-        rel = pending.pop()
-        try:
-            with os.scandir(os.path.join(path, rel) if rel else path) as it:
-                entries = list(it)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for entry in entries:
-            st = entry.stat(follow_symlinks=False)
-            name = f"{rel}/{entry.name}" if rel else entry.name
-            kind = _kind(st.st_mode)
-            if kind == DIR:
-                pending.append(name)
-                continue
-            out[name] = {"name": os.path.join(path, name), "size": st.st_size, "type": kind}
-    return out
-
-
-def _load_sync_file_range() -> Callable[[int, int, int], int] | None:
-    """``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)`` from libc, or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    write_flag = 2  # SYNC_FILE_RANGE_WRITE: start writeback, do not wait for it
-    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, write_flag)
-
-
-_sync_file_range = _load_sync_file_range()
-
-
-class _LocalSink:
-    """How shard bytes go to a local file: in pieces, with early writeback.
-
-    - Pieces: one ``write`` of a 64 MB tensor at once took 0.15 s usually but now
-      and then 0.4-2 s here (the same bytes written 1 MiB at a time never did), so
-      big buffers are passed on in ``WRITE_PIECE_BYTES`` slices (no copy).
-    - Writeback: without it every byte of a shard sits dirty in the page cache until
-      the final ``fsync``, which then waits for all of it (write, then flush, in
-      series). Asking the kernel to start writing back each ``WRITE_BEHIND_BYTES``
-      range right away (Linux ``sync_file_range`` with ``SYNC_FILE_RANGE_WRITE``,
-      which does not wait) overlaps the disk with the serialization of the next
-      items, so the closing ``fsync`` (still called, and still what makes the file
-      durable) finds little left to do: 0.23 s -> 0.015 s for a 512 MB shard here.
-    """
-
-    def __init__(self, sink: Any, raw: Any, *, write_behind: bool) -> None:
-        self._sink = sink
-        self._raw = raw
-        self._fd = _fileno(raw) if write_behind and _sync_file_range is not None else None
-        self._started = 0  # bytes whose writeback was requested
-        self._written = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        n = view.nbytes
-        for offset in range(0, n, WRITE_PIECE_BYTES):
-            self._sink.write(view[offset : offset + WRITE_PIECE_BYTES])
-        self._written += n
-        if self._fd is not None and self._written - self._started >= WRITE_BEHIND_BYTES:
-            self._raw.flush()  # buffered bytes must reach the file before writeback
-            assert _sync_file_range is not None
-            if _sync_file_range(self._fd, self._started, self._written - self._started) == 0:
-                self._started = self._written
-        return n
-
-    def flush(self) -> None:
-        self._sink.flush()
-
-
-def _fileno(handle: Any) -> int | None:
-    for obj in (handle, getattr(handle, "f", None)):
-        fileno = getattr(obj, "fileno", None)
-        if fileno is None:
-            continue
-        try:
-            return int(fileno())
-        except Exception:  # io.UnsupportedOperation and friends
-            continue
-    return None
-
-
-def _fsync(handle: Any) -> None:
-    for obj in (handle, getattr(handle, "f", None)):
-        fileno = getattr(obj, "fileno", None)
-        if fileno is None:
-            continue
-        try:
-            os.fsync(fileno())
-            return
-        except (OSError, ValueError, AttributeError, NotImplementedError):
-            continue
-        except Exception:  # io.UnsupportedOperation and friends
-            continue
+        self._call(f"delete {self.url(key)}/", "any", lambda: self.backend.remove_tree(path))
 
 
 def crc32c_of_object(storage: Storage, key: str) -> tuple[int, str]:
     """Read an object in bounded chunks and return ``(size, crc32c)`` (deep verification)."""
     return crc32c_of_chunks(storage.read_chunks(key))
+
+
+__all__ = [
+    "DIR",
+    "FILE",
+    "LINK",
+    "OTHER",
+    "CallPolicy",
+    "FileRecord",
+    "Storage",
+    "StorageOptions",
+    "crc32c_of_object",
+    "http_status",
+    "is_transient",
+]

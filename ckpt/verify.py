@@ -9,9 +9,10 @@ manifest's size:
   checksums (local files, ``file://``, ``memory://``) this checks sizes only:
   :attr:`VerifyReport.sizes_only` counts the files whose contents nobody checked.
   ``ckpt.load`` uses this mode (it then checks every item's crc32c as it reads).
-- ``checksum``: the object crc32c where the backend reports one, otherwise reads the
-  file in bounded chunks and checksums it: every file's contents are checked, with
-  no download on GCS. What ``python -m ckpt verify`` does by default.
+- ``checksum``: the object crc32c where the backend reports one (in the listing on
+  GCS, per object on S3: one ``HeadObject`` each), otherwise reads the file in bounded
+  chunks and checksums it: every file's contents are checked, with no download on GCS
+  or S3. What ``python -m ckpt verify`` does by default.
 - ``deep``: reads and checksums every file, whatever the backend reports.
 
 :func:`non_finite_tensors` goes further (``python -m ckpt verify --finite``): it reads
@@ -137,6 +138,8 @@ def verify_dir(
             )
             continue
         remote_crc = meta.get("crc32c")
+        if not remote_crc and mode == MODE_CHECKSUM:
+            remote_crc = _object_crc32c(ckpt_dir, entry.path)
         if remote_crc and remote_crc != entry.crc32c:
             report.crc_checked += 1
             report.problems.append(
@@ -211,3 +214,12 @@ def non_finite_tensors(ckpt_dir: Storage, manifest: Manifest) -> dict[str, tuple
             infs + int(torch.isinf(real).sum()),
         )
     return found
+
+
+def _object_crc32c(ckpt_dir: Storage, path: str) -> str | None:
+    """The crc32c the store keeps for one object (S3 lists none), or None (then the
+    bytes are read: a failure to ask is not a verdict)."""
+    try:
+        return ckpt_dir.info(path).get("crc32c")
+    except StorageError:
+        return None

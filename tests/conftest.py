@@ -1,4 +1,5 @@
-"""Shared pytest fixtures (the GCS emulator ones included: ``gcs_emulator``, ``gcs_root``)."""
+"""Shared pytest fixtures (the storage servers' included: ``gcs_emulator``, ``gcs_root``,
+``s3_server``, ``s3_root``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from testing.gcs_emulator import (
     gcs_filesystem,
     start_emulator,
 )
+from testing.s3_server import S3Server, s3_in_environ, start_s3_server
 
 _counter = itertools.count()
 
@@ -91,3 +93,39 @@ def gcs_root(gcs_emulator: Emulator) -> Iterator[str]:
         fs = gcs_filesystem(requests_timeout=10)
         with contextlib.suppress(FileNotFoundError):
             fs.rm(bucket, recursive=True)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One moto S3 server process for the whole test session, wired into ``os.environ``
+    (``AWS_ENDPOINT_URL`` and test credentials, restored afterwards).
+
+    moto comes from the test extra, so it is never skipped: without it every S3 test
+    fails naming the install command. Tests that kill or pause a server, or arm
+    server-side faults, start their own with ``start_s3_server``.
+    """
+    try:
+        import moto.server  # noqa: F401  (the server process imports it; fail here, clearly)
+        import s3fs  # noqa: F401
+    except ImportError as err:
+        pytest.fail(
+            f"the S3 tests need moto[server] and s3fs ({err}); install the test extra: "
+            "pip install -c constraints.txt -e '.[test]'",
+            pytrace=False,
+        )
+    server = start_s3_server()
+    with s3_in_environ(server):
+        yield server
+
+
+@pytest.fixture
+def s3_root(s3_server: S3Server) -> Iterator[str]:
+    """A fresh bucket for this test; yields ``s3://<bucket>/ckpt`` (prefix not yet written).
+
+    Its objects are deleted afterwards (the server keeps them in memory).
+    """
+    bucket = f"test-{uuid.uuid4().hex[:16]}"
+    s3_server.create_bucket(bucket)
+    yield f"s3://{bucket}/ckpt"
+    if s3_server.is_running():
+        s3_server.empty_bucket(bucket)

@@ -48,6 +48,8 @@ SPEC = [
     ("export_vs_read", 0.8, ">="),
     ("gcs_load_vs_cat", 1.3, ">="),
     ("gcs_save_vs_pipe", 1.3, ">="),
+    ("s3_save_vs_put", 1.3, ">="),
+    ("s3_load_vs_get", 1.3, ">="),
     ("curve_save_bytes_exp", 1.05, "<="),
     ("curve_load_bytes_exp", 1.05, "<="),
     ("curve_save_tensors_exp", 1.05, "<="),
@@ -82,8 +84,8 @@ def test_targets_table_is_the_issue_table_in_its_order():
 
 def test_groups_split_the_table_exactly_once():
     assert list(m.GROUPS) == [
-        "save", "load", "async", "overhead", "gcs", "memory", "elastic", "rendezvous", "export",
-        "curves",
+        "save", "load", "async", "overhead", "gcs", "s3", "memory", "elastic", "rendezvous",
+        "export", "curves",
     ]  # fmt: skip
     grouped = [name for names in m.GROUPS.values() for name in names]
     assert sorted(grouped) == sorted(m.TARGETS)
@@ -161,7 +163,7 @@ def test_only_option_default_and_error(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--only" in err and "'reshard'" in err
-    assert "save, load, async, overhead, gcs, memory, elastic" in err
+    assert "save, load, async, overhead, gcs, s3, memory, elastic" in err
 
 
 def test_curves_subcommand_is_only_curves_with_the_other_options_kept():

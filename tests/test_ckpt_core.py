@@ -388,7 +388,7 @@ def test_chunk_checksums_cover_every_byte_of_each_shard(tmp_root):
 
 
 def test_local_writes_start_writeback_early_for_consecutive_ranges(tmp_path, monkeypatch):
-    from ckpt import storage as storage_mod
+    from ckpt.backends import local as storage_mod
 
     calls: list[tuple[int, int]] = []
     monkeypatch.setattr(
@@ -411,7 +411,7 @@ def test_local_writes_start_writeback_early_for_consecutive_ranges(tmp_path, mon
 
 
 def test_local_sink_passes_big_buffers_on_in_pieces():
-    from ckpt import storage as storage_mod
+    from ckpt.backends import local as storage_mod
 
     class Recorder:
         def __init__(self):
@@ -427,7 +427,7 @@ def test_local_sink_passes_big_buffers_on_in_pieces():
             pass
 
     sink = Recorder()
-    local = storage_mod._LocalSink(sink, sink, write_behind=False)
+    local = storage_mod.LocalSink(sink, sink, write_behind=False)
     data = os.urandom(storage_mod.WRITE_PIECE_BYTES * 2 + 5)
     assert local.write(data) == len(data)
     assert sink.sizes == [storage_mod.WRITE_PIECE_BYTES] * 2 + [5]

@@ -215,15 +215,23 @@ def test_two_jobs_racing_for_an_expired_lease_never_both_win(tmp_root, held):
         assert len(records) == 1, records  # older generations removed, no temporaries left
 
 
-def test_the_lease_on_gcs_is_a_compare_and_swap_on_the_object_generation(gcs_root, held):
-    first = held(gcs_root, job("run:A", run_id="A"))
+@pytest.mark.parametrize(
+    ("root_fixture", "kind"),
+    [("gcs_root", lease_store.GcsLeaseStore), ("s3_root", lease_store.S3LeaseStore)],
+)
+def test_the_lease_on_an_object_store_is_a_compare_and_swap_on_the_objects_version(
+    request, root_fixture, kind, held
+):
+    root = request.getfixturevalue(root_fixture)  # GCS: the generation; S3: the ETag
+    first = held(root, job("run:A", run_id="A"))
     first.acquire()
     with pytest.raises(ckpt.RootLeaseError, match="run 'A'"):
-        held(gcs_root, job("run:B")).acquire()
-    store = lease_store.store_for(Storage(gcs_root))
+        held(root, job("run:B")).acquire()
+    store = lease_store.store_for(Storage(root))
+    assert isinstance(store, kind)
     raw, generation = store.read()
-    assert lease.LeaseRecord.from_bytes(raw).run_id == "A" and generation > 0
-    first.renew()  # the object moved on: a write against the old generation loses
+    assert lease.LeaseRecord.from_bytes(raw).run_id == "A" and generation
+    first.renew()  # the object moved on: a write against the old version loses
     with pytest.raises(lease_store.LeaseConflict):
         store.write(b"{}", generation)
     assert lease.LeaseRecord.from_bytes(store.read()[0]).token == first.token

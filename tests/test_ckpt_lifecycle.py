@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import ckpt
+from ckpt.backends.local import is_disk_full
 from ckpt.root_check import _parents
-from ckpt.storage import Storage, is_disk_full
+from ckpt.storage import Storage
 from testing import mounts
 from testing.spawn import run_ok
 

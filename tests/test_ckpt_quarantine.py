@@ -163,7 +163,7 @@ def test_a_move_killed_half_way_on_an_object_store_is_never_resumed_and_is_finis
     before = _files(root, "checkpoint_0000002")
 
     storage = Storage(root)
-    real_copy = storage.fs.copy
+    real_copy = storage.backend.fs.copy
     copied: list[str] = []
 
     def copy_then_die(src, dst, *args, **kwargs):
@@ -173,7 +173,7 @@ def test_a_move_killed_half_way_on_an_object_store_is_never_resumed_and_is_finis
         return real_copy(src, dst, *args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(storage.fs, "copy", copy_then_die)
+        patch.setattr(storage.backend.fs, "copy", copy_then_die)
         with pytest.raises(_Killed):
             quarantine(storage, 2, "rank_00000.distcp: bad crc32c", "rank_00000.distcp")
     assert len(copied) == 2
