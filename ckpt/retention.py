@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ckpt import ownership
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, ObjectNotFoundError
 from ckpt.layout import ATTEMPT_NAME, COMPLETE_NAME
 from ckpt.storage import Storage
 
@@ -166,13 +166,16 @@ def apply_retention(
         if info.committed:
             # the claim first: a prune killed from here on leaves a directory that is
             # provably ours and condemned, which the next prune of any run finishes
-            storage.write_bytes(
-                f"{info.dirname}/{ATTEMPT_NAME}",
-                ownership.attempt_record(
-                    run_id or "gc", 0, "retention", socket.gethostname(), deleting=True
-                ),
-                phase="retention",
-            )
+            try:
+                storage.write_bytes(
+                    f"{info.dirname}/{ATTEMPT_NAME}",
+                    ownership.attempt_record(
+                        run_id or "gc", 0, "retention", socket.gethostname(), deleting=True
+                    ),
+                    phase="retention",
+                )
+            except ObjectNotFoundError:
+                pass  # another prune (the manager's, a `ckpt gc`) removed it meanwhile
             storage.remove(f"{info.dirname}/{COMPLETE_NAME}")
         storage.remove_tree(info.dirname)
         kind = "" if info.committed else "partial "

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -129,3 +132,26 @@ def test_describe_says_the_policy_in_one_line(policy, says):
 
 def test_default_retention_keeps_the_newest_three():
     assert DEFAULT_RETENTION.keep_last == 3 and not DEFAULT_RETENTION.keep_every
+
+
+def test_a_checkpoint_pruned_by_another_prune_meanwhile_is_not_an_error(tmp_root, monkeypatch):
+    # the manager's background retention and a user's `ckpt gc` prune the same root: the
+    # other one deletes the directory just as this one wrote its claim there
+    from ckpt.backends.local import LocalBackend
+
+    for step in (1, 2, 3):
+        _save(tmp_root, step)
+    real_check = LocalBackend.check_written
+    raced: list[str] = []
+
+    def other_prune_meanwhile(self, path, size, crc):
+        if path.endswith("/ATTEMPT") and not raced:
+            raced.append(os.path.relpath(path, tmp_root))
+            shutil.rmtree(os.path.dirname(path))
+        return real_check(self, path, size, crc)
+
+    monkeypatch.setattr(LocalBackend, "check_written", other_prune_meanwhile)
+    plan = apply_retention(tmp_root, RetentionPolicy(keep_last=1))
+    assert raced == ["checkpoint_0000002/ATTEMPT"] and plan.delete == (2, 1)
+    assert sorted(os.listdir(tmp_root)) == ["checkpoint_0000003"]
+    assert ckpt.load({"w": torch.zeros(4), "step": -1}, tmp_root).step == 3
