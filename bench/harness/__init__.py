@@ -1,0 +1,4 @@
+"""What the benchmarks run besides our code, shipped so that ``python -m bench`` works from
+an installed wheel: ``local_cluster`` (real torchrun agents on one machine), ``gcs_emulator``
+(fake-gcs-server, from the ``bench`` extra) and ``ports``. The test suite imports them
+through ``testing/``."""
