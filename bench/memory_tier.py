@@ -549,7 +549,7 @@ def _transfer_detail(raw: dict, peer_s: float) -> dict:
 def _gcs_emulator() -> Iterator[tuple[str | None, str]]:
     """A gs:// root on fake-gcs-server (in memory) for a comparison, if the binary is here:
     ``(root or None, status)``; the environment variables are set for spawned ranks."""
-    from testing.gcs_emulator import create_bucket, emulator_in_environ, start_emulator
+    from bench.harness.gcs_emulator import create_bucket, emulator_in_environ, start_emulator
 
     try:
         emulator = start_emulator()

@@ -129,7 +129,7 @@ def simulate(
     after a death (the row then says ``timed_out``)."""
     from torch.distributed import TCPStore
 
-    from testing.ports import free_port
+    from bench.harness.ports import free_port
 
     ctx = mp.get_context("fork")
     port = free_port()

@@ -1,16 +1,7 @@
-"""Free TCP ports for the harnesses (emulators, rendezvous stores, MASTER_PORT)."""
+"""Free loopback ports for the tests: :mod:`bench.harness.ports` (shipped with ``bench``)."""
 
 from __future__ import annotations
 
-import socket
+from bench.harness.ports import free_port
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on ``host`` that was free a moment ago.
-
-    The socket is closed before returning, so another process may take the port in
-    between: callers that bind it later retry or accept the rare collision.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+__all__ = ["free_port"]

@@ -16,7 +16,7 @@ For end-to-end tests of ``examples/recipes/slurm.sbatch`` (and, without the daem
 - :meth:`SlurmCluster.lose_node`: the node's slurmd and every process in its namespace
   SIGKILLed (a machine that died).
 - :meth:`SlurmCluster.start_gcs_emulator`: fake-gcs-server on host ``ctl``, reachable from
-  every node (the one in testing/gcs_emulator.py listens on the root namespace's loopback).
+  every node (the one in bench/harness/gcs_emulator.py listens on the root namespace's loopback).
 - :meth:`SlurmCluster.close`: every daemon stopped by pid, every process left in the
   namespaces killed, the namespaces, the ``/etc/netns`` entries and the temp dir removed.
 

@@ -421,7 +421,7 @@ def test_warm_available_follows_the_module(tmp_path, monkeypatch):
 
 
 class _FakeJob:
-    """Stands in for testing.local_cluster.ElasticJob: records what elastic_run asks for."""
+    """Stands in for bench.harness.local_cluster.ElasticJob: records what elastic_run asks for."""
 
     made: list[_FakeJob] = []
 
@@ -457,11 +457,11 @@ class _FakeJob:
 def test_elastic_run_launches_warm_or_plain_with_the_memory_tier_per_node(
     tmp_path, monkeypatch, warm
 ):
-    import testing.local_cluster
+    import bench.harness.local_cluster
     from bench.elastic_runs import elastic_run, fault_spec
 
     _FakeJob.made.clear()
-    monkeypatch.setattr(testing.local_cluster, "ElasticJob", _FakeJob)
+    monkeypatch.setattr(bench.harness.local_cluster, "ElasticJob", _FakeJob)
     out = elastic_run(str(tmp_path), 50, [12, 30], 10, 60, warm=warm, memory_every=1)
     (job,) = _FakeJob.made
     assert job.closed
@@ -820,3 +820,59 @@ def test_loader_metrics_are_the_jobs_cost_and_its_slowest_survivor():
     assert exits.detail["each_s"] == [0.02, 0.4]
     job["survivor_exit_s"] = [0.02, 5.1]
     assert not m.loader_metrics(job)[1].ok
+
+
+@pytest.mark.timeout(240)
+def test_a_wheel_carries_what_the_bench_runs_and_the_bench_starts_from_it(tmp_path) -> None:
+    """``pip install .`` ships the configs and the harnesses the groups run: the bench works
+    from the installed packages alone, in any directory (no checkout on the path)."""
+    import zipfile
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path / "dist"), repo],
+        capture_output=True, text=True, timeout=200,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        archive.extractall(site)
+    assert "trainer/configs/tiny_gpt.toml" in names
+    assert {"bench/harness/local_cluster.py", "bench/harness/gcs_emulator.py"} <= set(names)
+    assert not [n for n in names if n.split("/")[0] in {"testing", "tests", "examples"}]
+    code = (
+        "import os, bench, bench.gpt, bench.harness.local_cluster, bench.harness.gcs_emulator\n"
+        "import trainer.config\n"
+        "assert bench.__file__.startswith(os.environ['SITE']), bench.__file__\n"
+        "cfg = trainer.config.load_config(bench.gpt.CONFIG)\n"
+        "print(cfg.model.d_model, bench.harness.local_cluster.REPO == os.environ['SITE'])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site), "SITE": str(site)}
+    ran = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env=env, cwd=str(tmp_path),
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.split()[1] == "True"
+    helped = subprocess.run(
+        [sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, timeout=120,
+        env=env, cwd=str(tmp_path),
+    )  # fmt: skip
+    assert helped.returncode == 0 and "--quick" in helped.stdout
+
+
+def test_bench_exits_non_zero_when_a_group_fails_to_produce_its_metrics(
+    tmp_path, monkeypatch, capsys
+):
+    import bench.__main__ as b
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the harness broke")
+
+    monkeypatch.setattr(b, "_rendezvous", broken)
+    assert b.main(["--quick", "--only", "rendezvous", "--dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "group rendezvous failed to produce its metrics: rendezvous simulation" in out

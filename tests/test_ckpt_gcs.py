@@ -2,7 +2,7 @@
 
 Round trip and object crc32c, the storage fault matrix, a rank killed before
 COMPLETE, 2 -> 3 rank resharding through GCS, a corrupted object, a missing bucket
-and the CLI. Emulator helpers and findings: testing/gcs_emulator.py (fixtures in
+and the CLI. Emulator helpers and findings: bench/harness/gcs_emulator.py (fixtures in
 tests/conftest.py), docs/gcs-emulator-notes.md.
 """
 

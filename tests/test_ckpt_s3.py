@@ -1,4 +1,4 @@
-"""ckpt on s3:// against a real S3 server process (moto, testing/s3_server.py).
+"""ckpt on s3:// against a real S3 server process (moto, bench/harness/s3_server.py).
 
 The contract the GCS backend meets, on S3's terms: round trip with the manifest's
 crc32c equal to the CRC32C S3 keeps for each object; commit last with no rename or
