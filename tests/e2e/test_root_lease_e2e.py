@@ -75,6 +75,17 @@ def rows(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def relaunch_takes_over(root: str, run_dir: str, why: str) -> str:
+    """A new launch on ``root`` takes the left lease over (its WARNING says ``why``), resumes
+    checkpoint 4 and finishes, removing the lease; its output."""
+    relaunch, _ = train(root, run_dir, "--max-steps", "12")
+    assert relaunch.returncode == 0, relaunch.stdout[-4000:]
+    assert why in relaunch.stdout and "taken over by this job" in relaunch.stdout
+    assert [r["step"] for r in rows(run_dir)] == list(range(5, 13))
+    assert read_lease(Storage(root)) is None
+    return relaunch.stdout
+
+
 def test_a_second_job_is_refused_in_seconds_and_the_first_finishes_as_if_alone(
     tmp_path, monkeypatch
 ):
@@ -142,12 +153,8 @@ def test_a_lease_left_by_a_killed_job_is_taken_over_once_it_expired(tmp_path, mo
     assert time.time() < left.renewed_at + left.ttl_s, "expired already: nothing was tested"
 
     time.sleep(max(0.0, left.renewed_at + left.ttl_s + 1 - time.time()))
-    late, _ = train(root, str(tmp_path / "late_run"), "--max-steps", "12")
-    assert late.returncode == 0, late.stdout[-4000:]
-    assert "expired" in late.stdout and "taken over by this job" in late.stdout
-    assert f"step 4 was written by run {left.run_id!r}, not by this run" in late.stdout
-    assert [r["step"] for r in rows(str(tmp_path / "late_run"))] == list(range(5, 13))
-    assert read_lease(Storage(root)) is None
+    late = relaunch_takes_over(root, str(tmp_path / "late_run"), "expired")
+    assert f"step 4 was written by run {left.run_id!r}, not by this run" in late
 
 
 def test_a_lease_left_by_a_job_killed_on_this_machine_is_taken_over_at_once(tmp_path):
@@ -157,9 +164,5 @@ def test_a_lease_left_by_a_job_killed_on_this_machine_is_taken_over_at_once(tmp_
     assert killed.returncode != 0
     left = read_lease(Storage(root))
     assert left is not None and not left.expired(time.time())  # rank 0 died holding it
-    relaunch, _ = train(root, str(tmp_path / "r_run"), "--max-steps", "12")
-    assert relaunch.returncode == 0, relaunch.stdout[-4000:]
-    assert "no longer runs" in relaunch.stdout and "taken over by this job" in relaunch.stdout
-    assert f"pid {left.pid}" in relaunch.stdout
-    assert [r["step"] for r in rows(str(tmp_path / "r_run"))] == list(range(5, 13))
-    assert read_lease(Storage(root)) is None
+    relaunch = relaunch_takes_over(root, str(tmp_path / "r_run"), "no longer runs")
+    assert f"pid {left.pid}" in relaunch
