@@ -72,7 +72,9 @@ class DurableTier:
             if not want_rng:
                 raise
             # A fallback landed on a checkpoint of another world size (no RNG key for us).
-            logger.warning("rank %d: retrying the load without RNG state: %s", self._saves.rank, exc)
+            logger.warning(
+                "rank %d: retrying the load without RNG state: %s", self._saves.rank, exc
+            )
             template.pop(RNG_STATE_KEY)
             return self._load(template, scope), False
 
