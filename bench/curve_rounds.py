@@ -486,7 +486,7 @@ def snapshot_rounds(
             took = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             blocked.append(float(took.item()))
-            manager._memory.wait_replication()
+            manager.tier("memory").memory.wait_replication()
             dist.barrier()
         state_bytes = dist_all_gather(local_tensor_bytes(sharded_state(model, optim)))
         manager.close()

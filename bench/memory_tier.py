@@ -152,14 +152,15 @@ def stall_rounds(rank: int, world: int, work: str, memory: str, rounds: int, ste
             if k is not None:
                 t0 = time.perf_counter()
                 managers[k].maybe_save(step)
-                if managers[k]._memory.due(step):
+                snapshots = managers[k].tier("memory")
+                if snapshots.policy.should_save(step, final=False):
                     blocking[k].append(time.perf_counter() - t0)
-                    tier = managers[k]._memory
+                    tier = snapshots.memory
                     phases[k].append(
                         {"capture_s": blocking[k][-1] - tier.last_snapshot_s, **tier.last_phases}
                     )
         if k is not None:
-            managers[k]._memory.wait_replication()
+            managers[k].tier("memory").memory.wait_replication()
         cpu = time.process_time() - cpu
         dist.barrier()
         wall = (time.perf_counter() - started) / steps
@@ -187,7 +188,7 @@ def stall_rounds(rank: int, world: int, work: str, memory: str, rounds: int, ste
                 per_step[key].append(wall)
                 cpu_per_step[key].append(cpu)
     for k in K_VALUES:
-        replans[k] = managers[k]._memory.replan_count
+        replans[k] = managers[k].tier("memory").memory.replan_count
         managers[k].close()
     return {
         "per_step_s": per_step,
@@ -301,13 +302,14 @@ def restore_sample(
     expected = (2, "memory") if tier == "memory" else (1, "durable")
     assert (step, manager.last_resume.tier) == expected, (step, manager.last_resume.tier)
     choice = [f for name, f in events if name == ev.TIER_CHOICE]
+    snapshots = manager.tier("memory")
     out = {
         "s": elapsed,
         "digest": _digest(model, optim),
         "cache_drop": method,
         "phases": choice[-1].get("timings") if choice else None,
         "bytes_read": manager.last_resume.bytes_read,
-        "transfer": dict(manager._memory.last_restore) if manager._memory else None,
+        "transfer": dict(snapshots.memory.last_restore) if snapshots else None,
     }
     manager.close()
     if baseline:

@@ -5,7 +5,7 @@ any ``Stateful`` and plain values in one dict; save policy, async saves, per-ran
 resume on any world size)::
 
     manager = ckpt.CheckpointManager(root, {"model": model, "optim": opt, "sched": sched},
-                                     every=50, async_save=True)
+                                     options=ckpt.CheckpointOptions(every=50, async_save=True))
     start = manager.resume() or 0
     ...
     manager.maybe_save(step, final=step == max_steps)
@@ -70,6 +70,7 @@ from ckpt.errors import (
 )
 from ckpt.export import ExportResult, export
 from ckpt.manager import CheckpointManager, ResumeInfo
+from ckpt.options import CheckpointOptions
 from ckpt.per_rank import PerRank
 from ckpt.pretrained import PretrainedLoad, load_pretrained
 from ckpt.restore import LoadResult, load
@@ -84,6 +85,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointOptions",
     "CheckpointShapeError",
     "CorruptCheckpointError",
     "DataPositionError",

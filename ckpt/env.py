@@ -130,11 +130,15 @@ def run_identity(env: Mapping[str, str] | None = None) -> tuple[str, int]:
 
 
 DEFAULT_LEASE_TTL_S = 60.0
+MAX_LEASE_TTL_S = 86400.0
+"""The longest owner lease (a day), from ``CKPT_LEASE_TTL_S`` or ``lease_ttl_s=``."""
 
 
 def lease_ttl_s(env: Mapping[str, str] | None = None) -> float:
     """``CKPT_LEASE_TTL_S``: seconds an owner lease lives unrenewed (0: no lease)."""
-    return get_float(LEASE_TTL_S, DEFAULT_LEASE_TTL_S, minimum=0.0, maximum=86400.0, env=env)
+    return get_float(
+        LEASE_TTL_S, DEFAULT_LEASE_TTL_S, minimum=0.0, maximum=MAX_LEASE_TTL_S, env=env
+    )
 
 
 def job_names(env: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -6,7 +6,7 @@ scheduler(s), and calls it at three places::
     manager = ckpt.CheckpointManager(
         args.ckpt_dir,
         {"model": model, "optim": optimizer, "sched": scheduler, "sampler": sampler},
-        every=50, async_save=True,
+        options=ckpt.CheckpointOptions(every=50, async_save=True),
     )
     start = manager.resume() or 0           # newest committed checkpoint, any world size
     for step in range(start + 1, max_steps + 1):
@@ -14,11 +14,14 @@ scheduler(s), and calls it at three places::
         manager.maybe_save(step, final=step == max_steps)
     manager.close()
 
-The manager is the policy: when to save (every N steps, synchronous at the end,
-emergency on a termination signal through ``elastic.RunGuard``) and which tiers a
-resume walks. The mechanisms are their own modules: :mod:`ckpt.capture` (what a save
-holds), :mod:`ckpt.saves` (running saves, the one in flight, the failure stop),
-:mod:`ckpt.resume` over :mod:`ckpt.tiers` (one resume path), :mod:`ckpt.root_check`.
+The manager holds an ordered list of tiers (:mod:`ckpt.tiers`; by default the memory
+tier when it is on, then the durable root: :mod:`ckpt.default_tiers`) and knows none of
+them by name: at each step it offers the step to every tier whose save-decision policy
+says it is due (:mod:`ckpt.save_policy`), a resume walks the tiers' candidates in order
+(:mod:`ckpt.resume`), and :meth:`close` closes them. The mechanisms are their own
+modules: :mod:`ckpt.options` (every setting, validated), :mod:`ckpt.capture` (what a
+save holds), :mod:`ckpt.saves` (running durable saves, the one in flight, the failure
+count), :mod:`ckpt.root_check` and :mod:`ckpt.lease` (the root).
 
 Every method that touches checkpoints is a collective: every rank calls it, in the
 same order. A failed save is logged, reported as a ``checkpoint_failed`` event and
@@ -36,22 +39,21 @@ import torch.distributed as dist
 
 from ckpt import dist as _dist
 from ckpt import env as _env
-from ckpt import finite
 from ckpt import root_check as _root_check
 from ckpt.app_state import AppState
 from ckpt.capture import StateCapture
+from ckpt.default_tiers import DEFAULT_TIERS
 from ckpt.discovery import Catalog
 from ckpt.errors import CheckpointError
 from ckpt.faults import FaultRegistry, parse_storage_faults
 from ckpt.lease import JobIdentity, RootLease, take_lease
-from ckpt.memory import MemorySnapshots, MemoryTier
-from ckpt.memory.snapshots import take_snapshot
+from ckpt.options import CheckpointOptions
 from ckpt.resume import ResumeInfo, ResumeWalk
-from ckpt.retention import DEFAULT_RETENTION, RetentionPolicy
+from ckpt.retention import RetentionPolicy
 from ckpt.retention import describe as describe_retention
 from ckpt.saves import DurableSaves, SaveFailures, expected_save_s
 from ckpt.storage import Storage, StorageOptions
-from ckpt.tiers import DurableTier, Tier
+from ckpt.tiers import SaveRequest, Tier, TierBuilder, TierContext
 from runcore import events as ev
 
 __all__ = ["CheckpointManager", "EventCallback", "ResumeInfo"]
@@ -60,8 +62,6 @@ logger = logging.getLogger(__name__)
 
 EventCallback = Callable[..., None]
 """``on_event(name, step, **fields)``: the signature of a run recorder's ``event``."""
-PARAM_GROUPS = ("checkpoint", "constructed")
-"""``param_groups=``: whose optimizer settings a resume keeps (see the class docstring)."""
 
 
 class CheckpointManager:
@@ -71,16 +71,24 @@ class CheckpointManager:
     models, optimizers, LR schedulers and other ``Stateful`` objects, plain values.
     Plain values are put back into the same dict by :meth:`resume`.
 
-    ``every``: :meth:`maybe_save` saves every N steps (0: only at ``final``).
+    ``options``: a :class:`~ckpt.options.CheckpointOptions`, every setting below in one
+    validated object; or the same settings as keyword arguments (``every=50,
+    async_save=True``, and ``retention=`` a :class:`~ckpt.retention.RetentionPolicy` or
+    None for ``keep_last``/``keep_every``), which build it (not both). ``rng``: save each
+    rank's RNG under its own key; on resume it is restored when the world size is
+    unchanged and re-derived from ``(seed, step, rank)`` otherwise. ``metadata``: a dict,
+    or a function of the step returning one, stored in the manifest and returned by
+    :meth:`resume` (``ResumeInfo.metadata``). ``on_event(name, step, **fields)`` receives
+    ``checkpoint_saved``, ``checkpoint_loaded``, ``fallback``, ``checkpoint_failed`` and
+    ``resume`` events (from the save thread too: it must be thread-safe). ``tiers``: the
+    :data:`~ckpt.tiers.TierBuilder` functions of the tiers, in order (None:
+    :data:`~ckpt.default_tiers.DEFAULT_TIERS`); exactly one strict tier, the durable
+    root, and it comes last.
+
+    Saves (:meth:`maybe_save`): durable every ``every`` steps and at ``final``;
     ``async_save``: periodic saves return once the state is staged (the copy itself
     overlaps the next forward/backward and the optimizers' next ``step()`` waits for
-    it); the final and emergency saves are synchronous. ``rng``: save each rank's RNG
-    under its own key; on resume it is restored when the world size is unchanged and
-    re-derived from ``(seed, step, rank)`` otherwise. ``metadata``: a dict, or a function
-    of the step returning one, stored in the manifest and returned by :meth:`resume`
-    (``ResumeInfo.metadata``). ``on_event(name, step, **fields)`` receives
-    ``checkpoint_saved``, ``checkpoint_loaded``, ``fallback``, ``checkpoint_failed`` and
-    ``resume`` events (from the save thread too: it must be thread-safe).
+    it); the final and emergency saves are synchronous.
 
     Memory tier (opt-in): ``memory_every=K`` (0: off) also snapshots the state every K
     steps into node-local memory that outlives the process (``memory_dir``, else
@@ -91,11 +99,11 @@ class CheckpointManager:
     else falls back to the durable tier; ``tier_choice`` says which and why. Snapshots
     are never a durable commit. See docs/design.md ("Memory tier") for memory cost.
 
-    Retention: ``retention`` (default :data:`~ckpt.retention.DEFAULT_RETENTION`, keep
-    the newest 3; ``None`` keeps everything) is applied by the coordinator after every
-    commit, never to the checkpoint this run resumed from before a newer commit, to a
-    partial directory newer than the newest commit (a save in flight) or to a
-    quarantined one; the policy is said at WARNING on rank 0 when the manager is built.
+    Retention: ``keep_last`` (default 3; 0 keeps everything) and ``keep_every`` are
+    applied by the coordinator after every commit, never to the checkpoint this run
+    resumed from before a newer commit, to a partial directory newer than the newest
+    commit (a save in flight) or to a quarantined one; the policy is said at WARNING on
+    rank 0 when the manager is built.
 
     Failed saves: ``max_failures`` (default 3; 0: never stop) durable saves failing in a
     row make :meth:`maybe_save` raise :class:`~ckpt.errors.TooManySaveFailuresError` on
@@ -137,48 +145,34 @@ class CheckpointManager:
         root: str,
         state: dict[str, Any],
         *,
-        every: int = 0,
-        async_save: bool = False,
+        options: CheckpointOptions | None = None,
         rng: bool = True,
         seed: int = 0,
         metadata: dict[str, Any] | Callable[[int], dict[str, Any]] | None = None,
-        retention: RetentionPolicy | None = DEFAULT_RETENTION,
         on_event: EventCallback | None = None,
         storage_options: StorageOptions | None = None,
         process_group: Any = None,
-        memory_every: int = 0,
-        memory_dir: str | None = None,
-        max_failures: int = 3,
-        param_groups: str = "checkpoint",
-        setup_timeout_s: float | None = None,
-        allow_non_finite: bool | Sequence[str] = False,
-        lease_ttl_s: float | None = None,
+        tiers: Sequence[TierBuilder] | None = None,
+        **option_kwargs: Any,
     ) -> None:
         if not isinstance(root, str) or not root:
             raise ValueError(f"root must be a non-empty str URL or path, got {root!r}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"every must be an int >= 0 (0: save only at the end), got {every!r}")
-        if isinstance(memory_every, bool) or not isinstance(memory_every, int) or memory_every < 0:
+        if options is None:
+            options = CheckpointOptions.from_kwargs(**option_kwargs)
+        elif not isinstance(options, CheckpointOptions):
+            raise ValueError(f"options must be a ckpt.CheckpointOptions, got {options!r}")
+        elif option_kwargs:
             raise ValueError(
-                f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}"
+                f"options= and the keyword argument(s) {', '.join(sorted(option_kwargs))} both "
+                "given: put every setting in the CheckpointOptions"
             )
-        SaveFailures.validate(max_failures)
-        if param_groups not in PARAM_GROUPS:
-            raise ValueError(
-                f"param_groups must be one of {', '.join(PARAM_GROUPS)}, got {param_groups!r}"
-            )
-        allow_non_finite = finite.check_allow(allow_non_finite)
+        options = options.options()
         _env.validate()  # every CKPT_* variable now, not at the first save
-        ttl = _env.lease_ttl_s() if lease_ttl_s is None else float(lease_ttl_s)
-        if not (0 <= ttl <= 86400):
-            raise ValueError(
-                f"lease_ttl_s must be seconds in [0, 86400] (0: no lease), got {ttl!r}"
-            )
+        ttl = _env.lease_ttl_s() if options.lease_ttl_s is None else float(options.lease_ttl_s)
         self.root = root
+        self.options = options
+        """Every setting of this manager (:class:`~ckpt.options.CheckpointOptions`)."""
         self.app = AppState.classify(state)
-        self.param_groups = param_groups
-        self.every = every
-        self.async_save = async_save
         self.rng = rng
         self.seed = seed
         self._on_event = on_event
@@ -188,22 +182,10 @@ class CheckpointManager:
         base = storage_options if storage_options is not None else StorageOptions.from_env()
         self.storage_options = _with_faults(base, self.faults)
         if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = _dist.new_checkpoint_group(setup_timeout_s=setup_timeout_s)
+            process_group = _dist.new_checkpoint_group(setup_timeout_s=options.setup_timeout_s)
         self._group = process_group
         coll = _dist.Collective(process_group)
         self.rank, self.world_size = coll.rank, coll.world_size
-        self.memory_every = memory_every
-        self._memory = (
-            MemoryTier(
-                root,
-                memory_every,
-                memory_dir=memory_dir,
-                distributed=dist.is_available() and dist.is_initialized(),
-                allow_non_finite=allow_non_finite,
-            )
-            if memory_every
-            else None
-        )
         self.last_resume: ResumeInfo | None = None
         self._leased = ttl > 0
         self.lease = (
@@ -220,6 +202,7 @@ class CheckpointManager:
             metadata=metadata,
             group=process_group,
         )
+        retention = options.retention()
         self._saves = DurableSaves(
             root,
             app=self.app,
@@ -227,12 +210,15 @@ class CheckpointManager:
             storage_options=self.storage_options,
             group=process_group,
             retention=retention,
-            failures=SaveFailures(max_failures, rank=self.rank, root=root, emit=self._emit),
+            failures=SaveFailures(options.max_failures, rank=self.rank, root=root, emit=self._emit),
             sink=self._sink,
             rank=self.rank,
-            allow_non_finite=allow_non_finite,
+            allow_non_finite=options.allow_non_finite,
             root_guard=self.lease.check if self.lease is not None else None,
         )
+        context = TierContext(options=options, saves=self._saves, emit=self._emit)
+        self._tiers = _build_tiers(DEFAULT_TIERS if tiers is None else tiers, context)
+        self._durable = self._tiers[-1]
         if self.rank == 0:
             logger.warning("rank 0: checkpoints under %s: %s", root, describe_retention(retention))
             for key in self.app.unsaved_schedulers():
@@ -246,6 +232,15 @@ class CheckpointManager:
         self._closed = False
         self._final_step: int | None = None
         self._said_after_final = False
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """This manager's tiers, in the order saves and resumes visit them (durable last)."""
+        return tuple(self._tiers)
+
+    def tier(self, name: str) -> Tier | None:
+        """The tier called ``name`` (``"memory"``, ``"durable"``), or None when it is off."""
+        return next((tier for tier in self._tiers if tier.name == name), None)
 
     # -- events --------------------------------------------------------------------------
 
@@ -299,8 +294,9 @@ class CheckpointManager:
         :class:`~ckpt.errors.NoLoadableCheckpointError` when none loads, or when the root
         holds only quarantined ones (never a fresh start over damaged work).
 
-        One path for every tier (:mod:`ckpt.tiers`): the memory tier's snapshots newer
-        than the durable head first (when it is on), then the durable root.
+        One path for every tier (:mod:`ckpt.tiers`), in order: by default the memory
+        tier's snapshots newer than the durable head first (when it is on), then the
+        durable root.
 
         ``this_job_only``: for a job launched not to resume (the trainer's ``--resume
         false``), whose torchrun restarts must still resume their own work: only a
@@ -329,60 +325,45 @@ class CheckpointManager:
             rng=self.rng,
             seed=self.seed,
             emit=self._emit,
-            memory_url=self._memory.url if self._memory is not None else None,
-            param_groups=self.param_groups,
+            param_groups=self.options.param_groups,
             this_job=this_job,
         )
-        step = walk.run(catalog, self._tiers(catalog), must=must)
+        step = walk.run(catalog, self._tiers, must=must)
         if walk.info is not None:
             self.last_resume = walk.info
             self._saves.resumed(walk.committed_step, walk.resumed_durable)
         return step
 
-    def _tiers(self, catalog: Catalog) -> list[Tier]:
-        common = {"group": self._group, "sink": self._sink, "saver": self._saves.saver}
-        durable = DurableTier(
-            self.root,
-            catalog=catalog,
-            storage_options=self.storage_options,
-            rank=self.rank,
-            **common,
-        )
-        if self._memory is None:
-            return [durable]
-        return [MemorySnapshots(self._memory, rank=self.rank, **common), durable]
-
     # -- save ----------------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
-        """Whether :meth:`maybe_save` saves at ``step`` (every ``every`` steps)."""
-        return bool(self.every) and step % self.every == 0
+        """Whether :meth:`maybe_save` saves durably at ``step`` (every ``every`` steps)."""
+        return self._durable.policy.should_save(step, final=False)
 
     def maybe_save(self, step: int, *, final: bool = False) -> str | None:
-        """Save when ``step`` is due (every ``every`` steps) or ``final``; else do nothing.
+        """Offer ``step`` to every tier in order; each saves when its policy says it is due.
 
-        Periodic saves are asynchronous with ``async_save``; a ``final`` save is
-        synchronous, so the run ends on a commit. Returns the checkpoint URL (for an
-        async save: where it will be committed), or None when nothing was saved or the
-        save failed (logged, ``checkpoint_failed`` event; training goes on).
+        The durable tier saves every ``every`` steps and at ``final``: periodic saves are
+        asynchronous with ``async_save``, a ``final`` save is synchronous, so the run ends
+        on a commit. Returns the durable checkpoint's URL (for an async save: where it
+        will be committed), or None when it did not save or the save failed (logged,
+        ``checkpoint_failed`` event; training goes on, up to ``max_failures``).
 
         With ``memory_every``, every K-th step (not ``final``) first takes a memory-tier
         snapshot, committed on every rank's node when this returns (a failure is logged
-        and reported as ``memory_snapshot_failed``; training goes on).
+        and reported as ``memory_snapshot_failed``; training goes on). Tiers due at the
+        same step save one capture of the state.
         """
         self._say_stepping_after_final(step)
         if final:
             self._final_step = step
-        captured = None
-        if self._memory is not None and not final and self._memory.due(step):
-            captured = self._state.capture(step, reuse_shapes=True)
-            take_snapshot(self._memory, step, captured[0], captured[1], self.rank, self._emit)
-        if not (final or self.due(step)):
-            return None
-        url = self._save(step, blocking=final or not self.async_save, captured=captured)
-        self.failures.stop_if_failing(step, self.last_committed_step)
-        if final and url is None:
-            raise self.failures.final_failed(step)
+        request = SaveRequest(step, self._state, final=final)
+        url = None
+        for tier in self._tiers:
+            if tier.policy.should_save(step, final=final):
+                saved = tier.save(request)
+                if tier is self._durable:
+                    url = saved
         return url
 
     def _say_stepping_after_final(self, step: int) -> None:
@@ -408,13 +389,8 @@ class CheckpointManager:
         :class:`~ckpt.errors.TooManySaveFailuresError` (not for ``emergency``) once
         ``max_failures`` saves failed in a row.
         """
-        url = self._save(step, blocking=blocking, emergency=emergency)
-        if not emergency:
-            self.failures.stop_if_failing(step, self.last_committed_step)
-        return url
-
-    def _save(self, step: int, **kwargs: Any) -> str | None:
-        return self._saves.run(step, **kwargs)
+        request = SaveRequest(step, self._state, blocking=blocking, emergency=emergency)
+        return self._durable.save(request)
 
     def wait(self, timeout: float | None = None) -> str | None:
         """Wait for a background save (all ranks); return the newest committed URL or None."""
@@ -483,25 +459,30 @@ class CheckpointManager:
     # -- lifetime ------------------------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for a background save and free the staging buffers (all ranks).
+        """Close the tiers, the durable one first, and release the root (all ranks).
 
-        Call before ``destroy_process_group``. A failed background save is reported as an
-        event and logged; close itself does not raise for it.
+        The durable tier waits for a background save and frees the staging buffers; the
+        others are told the newest durable commit after that (the memory tier drops
+        snapshots it has caught up with). Call before ``destroy_process_group``. A failed
+        background save is reported as an event and logged; close itself does not raise
+        for it.
         """
         if self._closed:
             return
-        try:
-            self._saves.collect(timeout)
-            self._saves.saver.close(timeout)
-        except CheckpointError as exc:
-            logger.error("rank %d: background checkpoint save failed: %s", self.rank, exc)
-        finally:
-            self._closed = True
-            self._group = self._saves.group = None
-            if self._memory is not None:
-                self._memory.close(self.last_committed_step)
-            if self.lease is not None:
-                self.lease.close()  # released: the next job on this root starts at once
+        self._closed = True
+        failure: BaseException | None = None
+        for tier in reversed(self._tiers):
+            try:
+                tier.close(self.last_committed_step, timeout)
+            except CheckpointError as exc:
+                logger.error("rank %d: closing the %s tier failed: %s", self.rank, tier.name, exc)
+            except BaseException as exc:  # the other tiers and the lease are closed first
+                failure = failure or exc
+        self._group = self._saves.group = None
+        if self.lease is not None:
+            self.lease.close()  # released: the next job on this root starts at once
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -512,3 +493,18 @@ class CheckpointManager:
 
 def _with_faults(options: StorageOptions, registry: FaultRegistry) -> StorageOptions:
     return dataclasses.replace(options, faults=registry)
+
+
+def _build_tiers(builders: Sequence[TierBuilder], context: TierContext) -> list[Tier]:
+    """The tiers ``builders`` give (every rank, in order: a builder may be collective)."""
+    tiers = [tier for build in builders if (tier := build(context)) is not None]
+    names = [tier.name for tier in tiers]
+    strict = [tier.name for tier in tiers if tier.strict]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tiers: each tier needs its own name, got {names}")
+    if len(strict) != 1 or not tiers[-1].strict:
+        raise ValueError(
+            f"tiers: exactly one strict tier (the durable root), and last, got {names} "
+            f"with strict {strict}"
+        )
+    return tiers

@@ -2,8 +2,9 @@
 
 :class:`ResumeWalk` is what :meth:`CheckpointManager.resume
 <ckpt.manager.CheckpointManager.resume>` runs: the coordinator finds the durable head
-(one listing of the root), then each tier (:mod:`ckpt.tiers`: the memory tier's
-snapshots first when it is on, then the durable root) offers candidates, newest first,
+(one listing of the root), then each tier (:mod:`ckpt.tiers`, in the manager's order:
+by default the memory tier's snapshots first when it is on, then the durable root)
+offers candidates, newest first,
 and every candidate goes through the same steps whatever its tier: the shape check,
 fresh optimizers, the RNG decision, the per-rank layout, the tier's verified load,
 pushing the state into the objects, the ``resume`` event and the WARNING that says
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,13 +36,10 @@ from ckpt.rng import (
     rng_key,
 )
 from ckpt.state_check import LoadableState
-from ckpt.tiers import Candidate, DurableHead, Tier, manager_record
+from ckpt.tiers import Candidate, DurableHead, Emit, ResumeScope, Tier, manager_record
 from runcore import events as ev
 
 logger = logging.getLogger("ckpt.manager")  # the manager's messages: one logger to filter
-
-Emit = Callable[..., None]
-"""``emit(name, step, **fields)``: the manager's event callback."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +56,8 @@ class ResumeInfo:
     metadata: dict[str, Any]
     """The user metadata saved with the checkpoint (``metadata=`` at save time)."""
     tier: str = "durable"
-    """``"durable"`` (the root) or ``"memory"`` (a memory-tier snapshot, ``memory_every``)."""
+    """The tier it came from: ``"durable"`` (the root), ``"memory"`` (a memory-tier
+    snapshot, ``memory_every``) or another tier's name."""
     run_id: str = ""
     """The run id that wrote the checkpoint (said at WARNING when it is not this run's)."""
 
@@ -67,9 +65,8 @@ class ResumeInfo:
 class ResumeWalk:
     """One resume over ``tiers`` (collective: every rank walks the same candidates).
 
-    ``memory_on`` makes the walk report its choice (``tier_choice`` event, ``tier`` on
-    ``resume``), as it does whenever the memory tier is configured. ``memory_url(step)``
-    names a memory snapshot in a ``fallback`` event.
+    With more than one tier (the memory tier on, say) the walk reports its choice: a
+    ``tier_choice`` event, and ``tier`` on the ``resume`` event.
     """
 
     def __init__(
@@ -84,7 +81,6 @@ class ResumeWalk:
         rng: bool,
         seed: int,
         emit: Emit,
-        memory_url: Callable[[int], str] | None = None,
         param_groups: str = "checkpoint",
         this_job: tuple[str, int] | None = None,
     ) -> None:
@@ -97,7 +93,8 @@ class ResumeWalk:
         self.rng = rng
         self.seed = seed
         self._emit = emit
-        self._memory_url = memory_url
+        self._tier_names: tuple[str, ...] = ()
+        """The walk's tiers, in order, when it reports its choice (more than one)."""
         self.param_groups = param_groups
         self.this_job = this_job
         """(run id, job restart count): resume only a durable checkpoint this job wrote in
@@ -127,6 +124,8 @@ class ResumeWalk:
             )
 
         head = coll.on_coordinator(f"finding the newest checkpoint under {self.root}", newest)
+        if len(tiers) > 1:
+            self._tier_names = tuple(tier.name for tier in tiers)
         if self.this_job is not None and head is not None and not self._of_this_job(head):
             if self.rank == 0:
                 logger.warning(
@@ -137,14 +136,14 @@ class ResumeWalk:
                 )  # fmt: skip
             head = None
             tiers = [tier for tier in tiers if not tier.strict]
-        notes: list[str] = []
+        scope = ResumeScope(catalog, head)
         for tier in tiers:
-            for cand in tier.candidates(head, notes):
-                loaded = self._resume_from(tier, cand, head, notes, must)
+            for cand in tier.candidates(scope):
+                loaded = self._resume_from(tier, cand, scope, must)
                 if loaded is not None:
                     return None if loaded < 0 else loaded
             tier.exhausted()
-        self._tier_choice("none", 0, head, notes)
+        self._tier_choice(None, 0, scope)
         if self.this_job is None:
             refuse_only_quarantined(coll, catalog, self.root)  # damaged work is no fresh start
         return self._nothing_to_resume(must)
@@ -158,8 +157,7 @@ class ResumeWalk:
         self,
         tier: Tier,
         cand: Candidate,
-        head: DurableHead | None,
-        notes: list[str],
+        scope: ResumeScope,
         must: bool,
     ) -> int | None:
         """Resume from one candidate: its step; None to try the next; -1 for "nothing"."""
@@ -172,7 +170,7 @@ class ResumeWalk:
                     f"model: {problem}; load it with the model it was saved from, or use "
                     "another root"
                 )
-            notes.append(
+            scope.notes.append(
                 f"{tier.name} step {cand.step} was written for a different model: {problem}"
             )
             return None
@@ -190,24 +188,23 @@ class ResumeWalk:
             if want_rng:
                 template[RNG_STATE_KEY] = {rng_key(self.rank): capture_rng(rng_device())}
             loadable = LoadableState(template)  # numpy values as they were saved
-            result, rng_loaded = tier.load(cand, loadable.plain, want_rng, notes)
+            result, rng_loaded = tier.load(cand, loadable.plain, want_rng, scope)
             if result is not None:
                 loadable.finish()
         except CheckpointError as exc:
             if tier.strict:
                 raise
-            notes.append(f"{tier.name} step {cand.step} rejected: {exc}")
+            scope.notes.append(f"{tier.name} step {cand.step} rejected: {exc}")
             if self.rank == 0:
                 logger.error(
                     "%s snapshot of step %d rejected, trying the next tier: %s",
                     tier.name, cand.step, exc,
                 )  # fmt: skip
-            url = self._memory_url(cand.step) if self._memory_url is not None else self.root
             self._emit(
                 ev.FALLBACK,
                 cand.step,
                 tier=tier.name,
-                url=url,
+                url=cand.url or self.root,
                 path=getattr(exc, "path", ""),
                 reason=str(exc),
             )
@@ -218,12 +215,12 @@ class ResumeWalk:
         per_rank.move_back(template, *layout)
         loaded = self._finish(result, template, rng_loaded, fresh, started, tier)
         tier.resumed(cand)
+        head = scope.head
         if tier.strict:
             self.committed_step = self.resumed_durable = loaded
         else:
             self.committed_step = head.step if head is not None else None
-        timings = getattr(tier, "timings", None)
-        self._tier_choice(tier.name, loaded, head, notes, timings)
+        self._tier_choice(tier, loaded, scope)
         return loaded
 
     def _nothing_to_resume(self, must: bool) -> None:
@@ -238,31 +235,31 @@ class ResumeWalk:
                 "rank 0: no committed checkpoint under %s: starting from step 0", self.root
             )
 
-    def _tier_choice(
-        self,
-        tier: str,
-        step: int,
-        head: DurableHead | None,
-        notes: list[str],
-        timings: dict[str, float] | None = None,
-    ) -> None:
-        """The ``tier_choice`` event of a resume with the memory tier on: which tier and why."""
-        if self._memory_url is None:
+    def _tier_choice(self, tier: Tier | None, step: int, scope: ResumeScope) -> None:
+        """The ``tier_choice`` event of a resume over several tiers: which tier (None:
+        none) and why."""
+        if not self._tier_names:
             return
+        head = scope.head
         durable = None if head is None else head.step
-        against = f"durable {durable}" if durable is not None else "no durable checkpoint"
-        if tier == "memory":
-            why = f"memory step {step} newer than {against}"
-        elif tier == "durable":
-            why = f"durable step {step}: no usable memory snapshot newer than it"
+        # The durable tier is the last one, the others are tried before it.
+        *others, last = self._tier_names
+        before = " or ".join(others)
+        against = f"{last} {durable}" if durable is not None else f"no {last} checkpoint"
+        if tier is None:
+            why = f"nothing to resume from: no usable {before} snapshot, no {last} checkpoint"
+        elif tier.strict:
+            why = f"{tier.name} step {step}: no usable {before} snapshot newer than it"
         else:
-            why = "nothing to resume from: no usable memory snapshot, no durable checkpoint"
-        if notes:
-            why += " (" + "; ".join(notes) + ")"
+            why = f"{tier.name} step {step} newer than {against}"
+        if scope.notes:
+            why += " (" + "; ".join(scope.notes) + ")"
         if self.rank == 0:
             logger.info("rank 0: resume tier: %s", why)
+        timings = tier.timings if tier is not None else None
         extra = {"timings": {k: round(v, 4) for k, v in timings.items()}} if timings else {}
-        self._emit(ev.TIER_CHOICE, step, tier=tier, reason=why, durable_step=durable, **extra)
+        name = tier.name if tier is not None else "none"
+        self._emit(ev.TIER_CHOICE, step, tier=name, reason=why, durable_step=durable, **extra)
 
     def _say_param_groups(self, constructed: dict[str, Any], step: int) -> None:
         """Say which optimizer settings the checkpoint replaced, or keep the constructed ones."""
@@ -348,7 +345,7 @@ class ResumeWalk:
                     "requeue, or a root shared by mistake: check --ckpt-dir)",
                     loaded_step, info.run_id, this_run,
                 )  # fmt: skip
-        extra = {"tier": tier.name} if self._memory_url is not None else {}
+        extra = {"tier": tier.name} if self._tier_names else {}
         self._emit(
             ev.RESUME,
             loaded_step,

@@ -160,12 +160,12 @@ class DurableSaves:
         """Run by the coordinator before a save writes (the root's owner lease)."""
         self._app = app
         self._capture = capture
-        self._options = storage_options
+        self.storage_options = storage_options
         self.group = group
         self.retention = retention
         self.failures = failures
-        self._sink = sink
-        self._rank = rank
+        self.sink = sink
+        self.rank = rank
         self.saver = _async.AsyncSaver()
         """The staging buffers and the save in flight (the loads reuse its buffers too)."""
         self.last_save_s: float | None = None
@@ -198,8 +198,8 @@ class DurableSaves:
                 step,
                 metadata=meta,
                 process_group=self.group,
-                on_event=self._sink(**extra),
-                storage_options=self._options,
+                on_event=self.sink(**extra),
+                storage_options=self.storage_options,
                 retention=self.retention,
                 async_save=background,
                 overlap_staging=self._overlap(fresh) if background else None,
@@ -213,7 +213,7 @@ class DurableSaves:
         if background:
             assert isinstance(result, _async.PendingSave)
             self._in_flight[step] = extra
-            if self._rank == 0:
+            if self.rank == 0:
                 logger.info(
                     "rank 0 step %d: checkpoint staged in %.3f s, committing in the background to %s",
                     step,
@@ -223,7 +223,7 @@ class DurableSaves:
             return result.url
         assert isinstance(result, str)
         self._committed(step, time.monotonic() - started)
-        if self._rank == 0:
+        if self.rank == 0:
             logger.info("rank 0 step %d: checkpoint committed at %s", step, result)
         return result
 
@@ -235,7 +235,7 @@ class DurableSaves:
         return optimizers or None
 
     def url(self, step: int) -> str:
-        return Storage(self.root, self._options).url(checkpoint_dirname(step))
+        return Storage(self.root, self.storage_options).url(checkpoint_dirname(step))
 
     def collect(self, timeout: float | None = None) -> None:
         """Wait for the background save in flight; record its outcome (all ranks)."""

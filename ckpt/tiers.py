@@ -1,41 +1,45 @@
-"""Where a resume can load from: the :class:`Tier` interface and the durable root.
+"""The tier interface: where a manager saves and what a resume can load from.
 
-:meth:`CheckpointManager.resume <ckpt.manager.CheckpointManager.resume>` walks the tiers
-in order (memory first when it is on, then durable) and, per tier, its candidates
-newest first. A :class:`Tier` says which candidates it has and loads one into a state
-template with the normal verified load (``ckpt.restore.load``); the manager does
-everything else once, for every tier: the shape check, fresh optimizers, the RNG
-decision, per-rank layout, pushing the state into the objects, events and logs.
+A :class:`~ckpt.manager.CheckpointManager` holds an ordered list of :class:`Tier`
+objects (the default: the memory tier when ``memory_every`` is on, then the durable
+root) and knows none of them by name. Each tier has both halves:
 
-- ``strict`` tiers (durable) raise on a candidate that does not fit (other shapes, a
-  load error after the loader's own fallback); other tiers (memory) note why and let
-  the next candidate, then the next tier, try.
-- :meth:`Tier.resumed` / :meth:`Tier.exhausted` end a tier's part (the memory tier
-  prunes the snapshots it will not need).
+- save: its :class:`~ckpt.save_policy.SaveDecisionPolicy` says whether a step is due,
+  :meth:`Tier.save` saves it. ``maybe_save`` offers a step to every tier in order,
+  with one :class:`SaveRequest` that captures the state once for all of them.
+- load: :meth:`CheckpointManager.resume <ckpt.manager.CheckpointManager.resume>` walks
+  the tiers in order (:mod:`ckpt.resume`) and, per tier, its candidates newest first.
+  A tier says which candidates it has and loads one into a state template with the
+  normal verified load (``ckpt.restore.load``); the walk does everything else once, for
+  every tier: the shape check, fresh optimizers, the RNG decision, per-rank layout,
+  pushing the state into the objects, events and logs. ``strict`` tiers (durable)
+  raise on a candidate that does not fit; others note why and let the next candidate,
+  then the next tier, try. :meth:`Tier.resumed` / :meth:`Tier.exhausted` end a tier's
+  part (the memory tier prunes the snapshots it will not need).
+- :meth:`Tier.close`, last tier first, each told the newest durable commit (the memory
+  tier drops its snapshots when the durable tier has caught up).
 
-The memory tier's adapter, :class:`ckpt.memory.MemorySnapshots`, lives with the tier
-(``ckpt/memory/snapshots.py``).
+Tiers are built by :data:`TierBuilder` functions from a :class:`TierContext` (the
+manager's options, its durable save engine and its event callback); the default list is
+:data:`ckpt.default_tiers.DEFAULT_TIERS`. Exactly one tier is ``strict``: the durable
+root, the commit of record (retention, the failure stop, emergency saves).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckpt.capture import MANAGER_META_KEY
+from ckpt.capture import MANAGER_META_KEY, Captured, StateCapture
 from ckpt.discovery import Catalog
-from ckpt.errors import StateMismatchError
+from ckpt.options import CheckpointOptions
 from ckpt.restore import LoadResult
-from ckpt.restore import load as _load
-from ckpt.rng import RNG_STATE_KEY
-from ckpt.storage import StorageOptions
+from ckpt.save_policy import SaveDecisionPolicy
+from ckpt.saves import DurableSaves
 
-logger = logging.getLogger("ckpt.manager")  # the manager's messages: one logger to filter
-
-Sink = Callable[..., Callable[[dict[str, Any]], None]]
-"""``sink(**extra)``: the manager's event sink for ``ckpt.restore.load``."""
+Emit = Callable[..., None]
+"""``emit(name, step, **fields)``: the manager's event callback."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +63,83 @@ class Candidate:
     """The manager's record in its manifest (keys, shapes, fresh optimizers, RNG, per-rank)."""
     handle: Any = None
     """The tier's own reference (a memory-tier survey candidate)."""
-    timings: dict[str, float] = field(default_factory=dict)
+    url: str = ""
+    """Where it is, for events about it (a ``fallback`` that rejected it)."""
+
+
+@dataclass(slots=True)
+class ResumeScope:
+    """What one resume shares with every tier (every rank; ``catalog`` read on the coordinator)."""
+
+    catalog: Catalog
+    """The one listing of the durable root this resume made."""
+    head: DurableHead | None
+    """The newest committed durable checkpoint (None: none, or not this job's)."""
+    notes: list[str] = field(default_factory=list)
+    """Why candidates were passed over: said in the ``tier_choice`` event."""
+
+
+class SaveRequest:
+    """One step offered to the tiers (every rank alike): the state is captured once, by the
+    first tier that asks, and the later tiers of the same step save that capture."""
+
+    def __init__(
+        self,
+        step: int,
+        capture: StateCapture,
+        *,
+        final: bool = False,
+        emergency: bool = False,
+        blocking: bool | None = None,
+    ) -> None:
+        self.step = step
+        self.final = final
+        """The run's last step (``maybe_save(final=True)``)."""
+        self.emergency = emergency
+        """After a termination signal (``emergency_save``): synchronous, no failure stop."""
+        self.blocking = blocking
+        """None: the tier decides (the durable tier: synchronous at ``final`` or without
+        ``async_save``)."""
+        self._capture = capture
+        self.taken: Captured | None = None
+        """The capture of this step, once a tier asked for it."""
+
+    def capture(self, *, reuse_shapes: bool = False) -> Captured:
+        """The state dict, manifest metadata and fresh optimizers of this step (captured once)."""
+        if self.taken is None:
+            self.taken = self._capture.capture(self.step, reuse_shapes=reuse_shapes)
+        return self.taken
+
+
+@dataclass(frozen=True, slots=True)
+class TierContext:
+    """What a :data:`TierBuilder` gets from the manager (built on every rank, in order)."""
+
+    options: CheckpointOptions
+    saves: DurableSaves
+    """The durable save engine: the root, the manager's checkpoint group (None: one
+    process), rank, storage options and event sink; the durable tier saves with it, and
+    every tier's loads reuse its staging buffers (``saves.saver``)."""
+    emit: Emit
 
 
 class Tier(Protocol):
+    """A place a manager saves to and resumes from (see the module docstring)."""
+
     name: str
     strict: bool
+    policy: SaveDecisionPolicy
+    timings: dict[str, float]
+    """Seconds of the last resume's parts (``tier_choice`` event); may stay empty."""
 
-    def candidates(self, head: DurableHead | None, notes: list[str]) -> list[Candidate]: ...
+    def save(self, request: SaveRequest) -> str | None:
+        """Save ``request.step`` (collective); its URL, or None (nothing, or failed)."""
+        ...
+
+    def candidates(self, scope: ResumeScope) -> list[Candidate]: ...
 
     def load(
-        self, cand: Candidate, template: dict[str, Any], want_rng: bool, notes: list[str]
+        self, cand: Candidate, template: dict[str, Any], want_rng: bool, scope: ResumeScope
     ) -> tuple[LoadResult | None, bool]:
         """Load ``cand`` into ``template``: (result or None if it vanished, RNG loaded)."""
         ...
@@ -80,72 +150,15 @@ class Tier(Protocol):
 
     def exhausted(self) -> None: ...
 
+    def close(self, durable_step: int | None, timeout: float | None) -> None:
+        """Finish and release (every rank); ``durable_step``: the newest durable commit."""
+        ...
+
+
+TierBuilder = Callable[[TierContext], "Tier | None"]
+"""Builds one tier for a manager (collective), or None when the options leave it off."""
+
 
 def manager_record(metadata: dict[str, Any]) -> dict[str, Any]:
     record = metadata.get(MANAGER_META_KEY, {})
     return record if isinstance(record, dict) else {}
-
-
-class DurableTier:
-    """The checkpoint root: its newest committed checkpoint, with the loader's fallback."""
-
-    name = "durable"
-    strict = True
-
-    def __init__(
-        self,
-        root: str,
-        *,
-        catalog: Catalog,
-        group: Any,
-        sink: Sink,
-        storage_options: StorageOptions,
-        saver: Any,
-        rank: int,
-    ) -> None:
-        self.root = root
-        self._catalog = catalog
-        self._group = group
-        self._sink = sink
-        self._options = storage_options
-        self._saver = saver
-        self._rank = rank
-
-    def candidates(self, head: DurableHead | None, notes: list[str]) -> list[Candidate]:
-        if head is None:
-            return []
-        return [Candidate(head.step, head.world_size, head.record)]
-
-    def load(
-        self, cand: Candidate, template: dict[str, Any], want_rng: bool, notes: list[str]
-    ) -> tuple[LoadResult | None, bool]:
-        try:
-            return self._load(template), want_rng
-        except StateMismatchError as exc:
-            if not want_rng:
-                raise
-            # A fallback landed on a checkpoint of another world size (no RNG key for us).
-            logger.warning("rank %d: retrying the load without RNG state: %s", self._rank, exc)
-            template.pop(RNG_STATE_KEY)
-            return self._load(template), False
-
-    def _load(self, template: dict[str, Any]) -> LoadResult | None:
-        return _load(
-            template,
-            self.root,
-            missing_ok=True,
-            process_group=self._group,
-            on_event=self._sink(),
-            storage_options=self._options,
-            catalog=self._catalog,
-            _saver=self._saver,
-        )
-
-    def url(self, result: LoadResult) -> str:
-        return result.url
-
-    def resumed(self, cand: Candidate) -> None:
-        pass
-
-    def exhausted(self) -> None:
-        pass

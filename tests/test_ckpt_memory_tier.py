@@ -92,7 +92,7 @@ def _train(rank: int, world: int, root: str, memory, steps: int, every: int, mem
         _train_step(state)
         manager.maybe_save(step)
         history[step] = _full(state)
-    replans = manager._memory.replan_count
+    replans = manager.tier("memory").memory.replan_count
     manager.close()
     return {"history": history, "replans": replans, "cursor": state["sampler"].cursor}
 
@@ -124,7 +124,7 @@ def _resume(
         "last_lr": state["sched"].get_last_lr(),
         "events": events,
         "old_world": info.old_world_size if info else None,
-        "transfer": dict(manager._memory.last_restore),
+        "transfer": dict(manager.tier("memory").memory.last_restore),
         "local_bytes": _local_tensor_bytes(state),
     }
     manager.close()

@@ -109,3 +109,49 @@ def test_model_digest_tracks_model_section_only():
     b = config_from_dict({"model": {"n_layer": 2}, "optim": {"lr": 0.2}})
     c = config_from_dict({"model": {"n_layer": 3}})
     assert a.model_digest() == b.model_digest() != c.model_digest()
+
+
+def test_the_checkpoint_section_takes_its_keys_defaults_and_checks_from_the_library():
+    import dataclasses
+
+    from ckpt.options import CheckpointOptions
+    from trainer.config import CheckpointConfig
+
+    section = {f.name: f for f in dataclasses.fields(CheckpointConfig)}
+    library = {f.name: f for f in dataclasses.fields(CheckpointOptions)}
+    assert set(section) == set(library) | {"dir", "resume"}
+    own = {"dir", "resume", "every"}  # every: 50 here (see CheckpointConfig), 0 in the library
+    declared_here = set(CheckpointConfig.__annotations__) - {"_key_prefix"}
+    assert declared_here == own  # no library default written a second time
+    defaults = CheckpointConfig()
+    for name in set(library) - own:
+        assert getattr(defaults, name) == getattr(CheckpointOptions(), name), name
+    assert defaults.every == 50 and CheckpointOptions().every == 0
+    assert defaults.options() == CheckpointOptions(every=50)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"keep_last": -1}, "config checkpoint.keep_last=-1: must be an int >= 0"),
+        ({"max_failures": -2}, "config checkpoint.max_failures=-2"),
+        ({"param_groups": "newest"}, "config checkpoint.param_groups='newest'"),
+        ({"lease_ttl_s": -5}, "config checkpoint.lease_ttl_s=-5.0"),
+        ({"resume": "maybe"}, "config checkpoint.resume='maybe'"),
+    ],
+)
+def test_a_bad_checkpoint_key_is_refused_by_the_library_check_with_the_config_key(raw, message):
+    with pytest.raises(ValueError) as info:
+        config_from_dict({"checkpoint": raw})
+    assert message in str(info.value)
+
+
+def test_the_library_options_are_config_keys(tmp_path):
+    cfg = load_config(None, ["checkpoint.allow_non_finite=model.*.mask;optim.*",
+                             "checkpoint.lease_ttl_s=0", "checkpoint.param_groups=constructed",
+                             "checkpoint.memory_dir=/dev/shm/x"])  # fmt: skip
+    options = cfg.checkpoint.options()
+    assert options.allow_non_finite == ("model.*.mask", "optim.*")
+    assert (options.lease_ttl_s, options.param_groups) == (0.0, "constructed")
+    assert options.memory_dir == "/dev/shm/x"
+    assert load_config(None, ["checkpoint.allow_non_finite=true"]).checkpoint.allow_non_finite

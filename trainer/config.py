@@ -14,7 +14,9 @@ import json
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+from ckpt.options import CheckpointOptions
 
 try:
     import tomllib
@@ -135,9 +137,20 @@ class OptimConfig:
         _require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0")
 
 
-@dataclass(kw_only=True, slots=True)
-class CheckpointConfig:
-    """Where and how often checkpoints are written."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig(CheckpointOptions):
+    """Where and how checkpoints are written: the library's
+    :class:`~ckpt.options.CheckpointOptions` (every key, default and check is theirs: see
+    their field docs) plus ``dir`` and ``resume``.
+
+    One default differs: ``every`` is 50 here, 0 in the library. A library caller that
+    says nothing gets no periodic save it did not ask for (a save costs what its state
+    costs to write); a trainer run that says nothing should not lose more than 50 steps
+    to a crash. ``setup_timeout_s`` unset (None) becomes the trainer's peer failure bound
+    (``run.peer_timeout_s`` + 10 s) rather than ``CKPT_COLLECTIVE_TIMEOUT_S``.
+    """
+
+    _key_prefix: ClassVar[str] = "config checkpoint."
 
     dir: str = ""
     """Checkpoint root (local path, file://, memory://, gs://); empty disables checkpoints."""
@@ -149,35 +162,11 @@ class CheckpointConfig:
     checked), while a torchrun restart of the same job resumes the checkpoints this job
     wrote; ``"must"``: resume, and fail (exit 1) when ``dir`` holds no committed
     checkpoint."""
-    max_failures: int = 3
-    """Stop the job (exit 1) after this many checkpoint saves failed in a row; 0 never
-    stops. A failed final save always stops it."""
-    keep_last: int = 3
-    """Retention: keep the newest N committed checkpoints, delete older ones after each
-    commit (the one resumed from survives the first); 0 keeps every checkpoint."""
-    keep_every: int = 0
-    """Retention: also keep, forever, checkpoints whose step is a multiple of N (0: none)."""
-    async_save: bool = False
-    """Return to training once the state is staged in host memory; upload and commit in
-    the background (one save in flight; emergency and final saves are synchronous)."""
-    memory_every: int = 0
-    """Memory tier: also snapshot the state every N steps into node memory
-    (``CKPT_MEMORY_DIR``, default ``/dev/shm/ckpt-memory-<uid>``), replicated to a rank on
-    another node; a restart resumes from the newest complete snapshot when it is newer
-    than the last durable checkpoint. 0 (default) disables it."""
 
     def __post_init__(self) -> None:
-        _require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
-        _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last,
-                 "must be >= 0 (0 keeps every checkpoint)")  # fmt: skip
-        _require(self.keep_every >= 0, "checkpoint.keep_every", self.keep_every,
-                 "must be >= 0 (0: no step kept forever)")  # fmt: skip
+        CheckpointOptions.__post_init__(self)  # slots: the zero-argument super() is not bound
         _require(self.resume in (True, False, "must"), "checkpoint.resume", self.resume,
                  "must be true, false or \"must\"")  # fmt: skip
-        _require(self.max_failures >= 0, "checkpoint.max_failures", self.max_failures,
-                 "must be >= 0 (0: never stop)")  # fmt: skip
-        _require(self.memory_every >= 0, "checkpoint.memory_every", self.memory_every,
-                 "must be >= 0")  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -313,15 +302,20 @@ def _finite(key: str, raw: object, value: float) -> float:
     return value
 
 
+_TRUE_WORDS = ("true", "1", "yes", "on")
+_FALSE_WORDS = ("false", "0", "no", "off")
+_BOOL_WORDS = _TRUE_WORDS + _FALSE_WORDS
+
+
 def _coerce(key: str, raw: object, annotation: str) -> object:
     """Convert a TOML value or a ``--set`` string to the field's declared type."""
     text = raw if isinstance(raw, str) else None
     if annotation == "bool":
         if isinstance(raw, bool):
             return raw
-        if text is not None and text.lower() in ("true", "1", "yes", "on"):
+        if text is not None and text.lower() in _TRUE_WORDS:
             return True
-        if text is not None and text.lower() in ("false", "0", "no", "off"):
+        if text is not None and text.lower() in _FALSE_WORDS:
             return False
         raise ValueError(f"config {key}={raw!r}: must be a boolean (true/false)")
     if annotation == "bool | str":  # checkpoint.resume: true, false or "must"
@@ -361,6 +355,17 @@ def _coerce(key: str, raw: object, annotation: str) -> object:
             return _coerce(key, raw, "int")
         except ValueError:
             raise ValueError(f"config {key}={raw!r}: must be an integer or 'auto'") from None
+    if annotation in ("str | None", "float | None"):  # None is only ever the default
+        return _coerce(key, raw, annotation.partition(" | ")[0])
+    if annotation == "bool | tuple[str, ...]":  # checkpoint.allow_non_finite
+        if isinstance(raw, bool) or (isinstance(raw, str) and raw.lower() in _BOOL_WORDS):
+            return _coerce(key, raw, "bool")
+        try:
+            return tuple(typing.cast(list, _coerce(key, raw, "list[str]")))
+        except ValueError:
+            raise ValueError(
+                f"config {key}={raw!r}: must be true, false or a list of key patterns"
+            ) from None
     if annotation == "str":
         if not isinstance(raw, str):
             raise ValueError(f"config {key}={raw!r}: must be a string")

@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from ckpt import CheckpointManager, RetentionPolicy
+from ckpt import CheckpointManager
 from elastic.events import RunRecorder
 from elastic.faults import fire_at_point
 from elastic.guard import RunGuard
@@ -212,31 +212,19 @@ def build_checkpoints(
             fields["restart_count"] = attempt
         recorder.event(name, step, **fields)
 
-    manager = CheckpointManager(
+    # A rank that died during the start-up ends the others' wait for the group within
+    # the peer failure detector's bound (peer timeout + its grace for a first beat).
+    setup_timeout_s = cfg.checkpoint.setup_timeout_s
+    if setup_timeout_s is None:
+        setup_timeout_s = first_beat_bound_s(cfg.run.peer_timeout_s)
+    options = replace(cfg.checkpoint.options(), setup_timeout_s=setup_timeout_s)
+    return CheckpointManager(
         cfg.checkpoint.dir,
         {"model": run.model, "optim": run.optimizer, "sampler": run.sampler, "train": progress},
-        every=cfg.checkpoint.every,
-        async_save=cfg.checkpoint.async_save,
+        options=options,
         seed=cfg.run.seed,
         metadata=metadata,
         on_event=on_event,
-        # Memory tier (0: off): snapshots in node memory every N steps, newer than `every`.
-        memory_every=cfg.checkpoint.memory_every,
-        max_failures=cfg.checkpoint.max_failures,
-        retention=retention_policy(cfg),
-        # A rank that died during the start-up ends the others' wait for the group within
-        # the peer failure detector's bound (peer timeout + its grace for a first beat).
-        setup_timeout_s=first_beat_bound_s(cfg.run.peer_timeout_s),
-    )
-    return manager
-
-
-def retention_policy(cfg: TrainConfig) -> RetentionPolicy | None:
-    """``checkpoint.keep_last`` / ``keep_every`` as a policy (None: keep every checkpoint)."""
-    if cfg.checkpoint.keep_last == 0:
-        return None
-    return RetentionPolicy(
-        keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every or None
     )
 
 

@@ -1,17 +1,22 @@
-"""The memory tier as a :class:`ckpt.tiers.Tier`: its snapshots, for the one resume walk.
+"""The memory tier as a :class:`ckpt.tiers.Tier`: snapshots every K steps, and a resume
+from the newest one newer than the durable head.
 
-:meth:`CheckpointManager.resume <ckpt.manager.CheckpointManager.resume>` asks this
-adapter for the snapshots newer than the durable head (:func:`ckpt.memory.restore.survey`),
-has it assemble one under a ``ckptmem://`` root (:func:`ckpt.memory.restore.materialize`)
-and load it with the normal verified load, and lets it prune what the run will not need.
+Save: on its ``EveryNSteps(memory_every, at_final=False)`` policy, the step's capture is
+snapshotted into node memory (:meth:`ckpt.memory.tier.MemoryTier.snapshot`); a failure is
+reported, never raised. Resume: the snapshots newer than the durable head
+(:func:`ckpt.memory.restore.survey`), one assembled under a ``ckptmem://`` root
+(:func:`ckpt.memory.restore.materialize`) and loaded with the normal verified load, then
+what the run will not need pruned. Close: replication finished, and the snapshots dropped
+when the durable tier has caught up.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
+
+import torch.distributed as dist
 
 from ckpt.errors import CorruptCheckpointError
 from ckpt.faults import FaultRegistry
@@ -19,51 +24,80 @@ from ckpt.memory import restore
 from ckpt.memory.tier import MemoryTier, SnapshotError
 from ckpt.restore import LoadResult
 from ckpt.restore import load as _load
+from ckpt.save_policy import EveryNSteps, SaveDecisionPolicy
+from ckpt.saves import DurableSaves
 from ckpt.storage import StorageOptions
-from ckpt.tiers import Candidate, DurableHead, Sink, manager_record
+from ckpt.tiers import Candidate, Emit, ResumeScope, SaveRequest, TierContext, manager_record
 from runcore import events as ev
 
 logger = logging.getLogger("ckpt.manager")  # the manager's messages: one logger to filter
 
 
 class MemorySnapshots:
-    """The memory tier's committed snapshots newer than the durable head (``ckpt.memory``)."""
+    """One rank's memory tier (:class:`MemoryTier`) behind the tier interface."""
 
     name = "memory"
     strict = False
 
-    def __init__(self, tier: MemoryTier, *, group: Any, sink: Sink, saver: Any, rank: int):
-        self.tier = tier
-        self._group = group
-        self._sink = sink
-        self._saver = saver
-        self._rank = rank
+    def __init__(
+        self, memory: MemoryTier, *, policy: SaveDecisionPolicy, saves: DurableSaves, emit: Emit
+    ) -> None:
+        self.memory = memory
+        self.policy = policy
+        self._saves = saves  # the manager's group, rank, event sink and staging buffers
+        self._emit = emit
+        self._rank = saves.rank
         self.timings: dict[str, float] = {}
 
-    def candidates(self, head: DurableHead | None, notes: list[str]) -> list[Candidate]:
+    # -- save ------------------------------------------------------------------------------
+
+    def save(self, request: SaveRequest) -> None:
+        """Snapshot the step (collective), committed on every rank's node when this returns.
+
+        A failure is logged and reported (``memory_snapshot_failed``, phase ``write``; a
+        background replication that failed since the last one: phase ``replicate``), never
+        raised: the durable tier is still there and training goes on.
+        """
+        step = request.step
+        state, meta, _ = request.capture(reuse_shapes=True)
+        for error in self.memory.replication_errors():
+            self._emit(ev.MEMORY_SNAPSHOT_FAILED, step, phase="replicate", error=error,
+                       rank=self._rank)  # fmt: skip
+        try:
+            self.memory.snapshot(step, state, meta)
+        except SnapshotError as exc:
+            logger.error("rank %d step %d: %s; training continues", self._rank, step, exc)
+            self._emit(ev.MEMORY_SNAPSHOT_FAILED, step, phase="write", error=str(exc),
+                       rank=self._rank)  # fmt: skip
+
+    # -- load ------------------------------------------------------------------------------
+
+    def candidates(self, scope: ResumeScope) -> list[Candidate]:
+        head = scope.head
         durable = None if head is None else (head.step, head.run_id, head.restart_count)
         surveyed = time.monotonic()
-        found = restore.survey(self.tier, durable)
+        found = restore.survey(self.memory, durable)
         self.timings["survey_s"] = time.monotonic() - surveyed
-        notes.extend(found.notes)
+        scope.notes.extend(found.notes)
         return [
             Candidate(
                 int(cand.step),
                 int(cand.manifest.world_size),
                 manager_record(cand.manifest.metadata),
                 handle=cand,
+                url=self.memory.url(int(cand.step)),
             )
             for cand in found.candidates
         ]
 
     def load(
-        self, cand: Candidate, template: dict[str, Any], want_rng: bool, notes: list[str]
+        self, cand: Candidate, template: dict[str, Any], want_rng: bool, scope: ResumeScope
     ) -> tuple[LoadResult | None, bool]:
         """Assemble and load one snapshot (collective); a first failure is retried once
         with every copy's crc32c checked first (a corrupt copy, a good replica)."""
         for verify in (False, True):
             started = time.monotonic()
-            assembled = restore.materialize(self.tier, cand.handle, template, verify=verify)
+            assembled = restore.materialize(self.memory, cand.handle, template, verify=verify)
             self.timings["assemble_s"] = time.monotonic() - started
             try:
                 # A snapshot assembled for this rank under a ckptmem:// root (node-local
@@ -72,17 +106,17 @@ class MemorySnapshots:
                     template,
                     assembled.url,
                     step=cand.step,
-                    process_group=self._group,
-                    on_event=self._sink(tier=self.name),
+                    process_group=self._saves.group,
+                    on_event=self._saves.sink(tier=self.name),
                     storage_options=StorageOptions(
                         fsync=False, faults=FaultRegistry(read_env=False)
                     ),
-                    _saver=self._saver,
+                    _saver=self._saves.saver,
                 )
             except CorruptCheckpointError as exc:
                 if verify:
                     raise
-                notes.append(
+                scope.notes.append(
                     f"memory step {cand.step}: a copy failed its check ({exc}); assembled "
                     "again from copies whose crc32c matches the manifest"
                 )
@@ -100,33 +134,32 @@ class MemorySnapshots:
         raise AssertionError("unreachable")
 
     def url(self, result: LoadResult) -> str:
-        return self.tier.url(int(result.step))
+        return self.memory.url(int(result.step))
 
     def resumed(self, cand: Candidate) -> None:
-        restore.prune(self.tier, cand.handle)
+        restore.prune(self.memory, cand.handle)
 
     def exhausted(self) -> None:
-        restore.prune(self.tier, None)
+        restore.prune(self.memory, None)
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def close(self, durable_step: int | None, timeout: float | None) -> None:
+        """Finish replication; drop this rank's snapshots if the durable tier caught up."""
+        self.memory.close(durable_step)
 
 
-def take_snapshot(
-    tier: MemoryTier,
-    step: int,
-    state: dict[str, Any],
-    meta: dict[str, Any],
-    rank: int,
-    emit: Callable[..., None],
-) -> None:
-    """Snapshot ``step`` into ``tier`` (collective): what ``maybe_save`` does every K steps.
-
-    A failure is logged and reported (``memory_snapshot_failed``, phase ``write``; a
-    background replication that failed since the last one: phase ``replicate``), never
-    raised: the durable tier is still there and training goes on.
-    """
-    for error in tier.replication_errors():
-        emit(ev.MEMORY_SNAPSHOT_FAILED, step, phase="replicate", error=error, rank=rank)
-    try:
-        tier.snapshot(step, state, meta)
-    except SnapshotError as exc:
-        logger.error("rank %d step %d: %s; training continues", rank, step, exc)
-        emit(ev.MEMORY_SNAPSHOT_FAILED, step, phase="write", error=str(exc), rank=rank)
+def build_memory_tier(ctx: TierContext) -> MemorySnapshots | None:
+    """The memory tier of a manager when ``options.memory_every`` is on (collective: it
+    creates the tier's gloo groups and directory); None when it is off."""
+    options = ctx.options
+    if not options.memory_every:
+        return None
+    memory = MemoryTier(
+        ctx.saves.root,
+        memory_dir=options.memory_dir,
+        distributed=dist.is_available() and dist.is_initialized(),
+        allow_non_finite=options.allow_non_finite,
+    )
+    policy = EveryNSteps(options.memory_every, at_final=False)
+    return MemorySnapshots(memory, policy=policy, saves=ctx.saves, emit=ctx.emit)

@@ -80,14 +80,12 @@ class MemoryTier:
     def __init__(
         self,
         root: str,
-        every: int,
         *,
         memory_dir: str | None = None,
         distributed: bool,
         allow_non_finite: bool | Sequence[str] = False,
     ) -> None:
         memory_fs.install()  # ckptmem://, what a resume from this tier loads from
-        self.every = every
         self.allow_non_finite = allow_non_finite
         """Keys whose non-finite values do not stop a snapshot (:mod:`ckpt.finite`)."""
         self.base = memory_base_dir(memory_dir)
@@ -155,9 +153,6 @@ class MemoryTier:
             remove_other_launches(self.base, os.path.basename(self.run_dir))
 
     # -- snapshot --------------------------------------------------------------------------
-
-    def due(self, step: int) -> bool:
-        return bool(self.every) and step % self.every == 0
 
     def snapshot(self, step: int, state: dict[str, Any], metadata: dict[str, Any]) -> None:
         """Write and commit this step's snapshot on every rank's node (collective).
