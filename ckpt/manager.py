@@ -426,6 +426,24 @@ class CheckpointManager:
     def max_failures(self) -> int:
         return self.failures.max_failures
 
+    # Read-only views of the options, as the attributes of the same names were before
+    # the options object.
+    @property
+    def every(self) -> int:
+        return self.options.every
+
+    @property
+    def async_save(self) -> bool:
+        return self.options.async_save
+
+    @property
+    def memory_every(self) -> int:
+        return self.options.memory_every
+
+    @property
+    def param_groups(self) -> str:
+        return self.options.param_groups
+
     # -- emergency saves (the saver protocol of ``elastic.RunGuard``) ----------------------
 
     def expected_save_s(self) -> float:

@@ -139,3 +139,12 @@ def test_every_n_steps_decides_when_a_save_is_due(every, at_final, step, final, 
 def test_every_n_steps_refuses_a_bad_interval(every):
     with pytest.raises(ValueError, match=f"every={every!r}"):
         EveryNSteps(every)
+
+
+def test_the_managers_option_attributes_read_the_options(tmp_path):
+    state = {"w": torch.zeros(2)}
+    with ckpt.CheckpointManager(
+        str(tmp_path), state, every=7, async_save=True, memory_every=0, param_groups="constructed"
+    ) as manager:
+        assert (manager.every, manager.async_save, manager.memory_every) == (7, True, 0)
+        assert manager.param_groups == "constructed" == manager.options.param_groups
