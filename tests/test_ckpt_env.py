@@ -42,13 +42,13 @@ def _base_env() -> dict[str, str]:
 def test_variable_names_live_only_in_the_env_module() -> None:
     # Every CKPT_*/TORCHELASTIC_* name ckpt reads is spelled once, in ckpt/env.py.
     offenders = []
-    for path in sorted((REPO_ROOT / "ckpt").glob("*.py")):
-        if path.name == "env.py":
+    for path in sorted((REPO_ROOT / "ckpt").rglob("*.py")):  # every subpackage too
+        if path.relative_to(REPO_ROOT).as_posix() == "ckpt/env.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             value = node.value if isinstance(node, ast.Constant) else None
             if isinstance(value, str) and (value in env.VARIABLES or value.startswith("CKPT_")):
-                offenders.append(f"{path.name}:{node.lineno} {value!r}")
+                offenders.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} {value!r}")
     assert not offenders, offenders
 
 

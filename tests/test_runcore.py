@@ -27,16 +27,17 @@ REPO_PACKAGES = {"ckpt", "elastic", "trainer", "bench", "testing", "warmstart", 
 
 
 def _imports(package: str) -> dict[str, set[str]]:
-    """Top-level module names each file of ``package`` imports (anywhere in the file)."""
+    """Top-level module names each file of ``package`` (its subpackages too) imports
+    (anywhere in the file), by the file's path inside the package."""
     out: dict[str, set[str]] = {}
-    for path in sorted((REPO_ROOT / package).glob("*.py")):
+    for path in sorted((REPO_ROOT / package).rglob("*.py")):
         names: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
                 names.update(alias.name.split(".")[0] for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 names.add((node.module or "").split(".")[0])
-        out[path.name] = names
+        out[path.relative_to(REPO_ROOT / package).as_posix()] = names
     return out
 
 
@@ -105,11 +106,11 @@ class _EventNameLiterals(ast.NodeVisitor):
 def test_writers_and_readers_use_the_schema_names_not_literals() -> None:
     offenders = {}
     for package in ("ckpt", "elastic", "trainer", "bench"):
-        for path in sorted((REPO_ROOT / package).glob("*.py")):
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
             visitor = _EventNameLiterals()
             visitor.visit(ast.parse(path.read_text(), filename=str(path)))
             if visitor.found:
-                offenders[f"{package}/{path.name}"] = visitor.found
+                offenders[str(path.relative_to(REPO_ROOT))] = visitor.found
     assert not offenders, offenders
 
 
