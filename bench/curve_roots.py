@@ -12,13 +12,13 @@ kind (``list``, ``read``, ``stat``, ``write``, ``delete``: :class:`StorageCalls`
   discovery of the newest committed checkpoint, its load);
 - ``discovery``: ``ckpt.find_latest_committed(root)`` alone;
 - ``ls``: ``python -m ckpt ls ROOT`` (in process, output discarded);
-- ``prune``: ``ckpt.retention.apply_retention(root, PRUNE_POLICY)`` (deletes one
+- ``prune``: ``ckpt.lifecycle.retention.apply_retention(root, PRUNE_POLICY)`` (deletes one
   checkpoint, put back untimed after each sample);
 - ``gc``: ``python -m ckpt gc ROOT --keep-last 3 --keep-every 10 --dry-run``.
 
 The checkpoints are not saved one by one (a thousand saves to the emulator would take
 minutes): one is saved by a ``CheckpointManager`` and cloned under each step, with its
-manifest and COMPLETE marker rewritten for that step through :mod:`ckpt.manifest` (the
+manifest and COMPLETE marker rewritten for that step through :mod:`ckpt.format.manifest` (the
 files and the manager's record are those of a real save); every root is checked to hold
 ``n`` committed checkpoints before it is measured.
 """
@@ -54,7 +54,7 @@ def pruned_step(n: int) -> int:
 
 
 def prune_policy() -> Any:
-    from ckpt.retention import RetentionPolicy
+    from ckpt.lifecycle.retention import RetentionPolicy
 
     return RetentionPolicy(keep_last=3, keep_every=KEEP_EVERY)
 
@@ -117,7 +117,7 @@ def save_template(root: str) -> str:
     """One checkpoint (step 1) of :func:`tiny_state` saved by a ``CheckpointManager`` under
     ``root`` (local); its directory."""
     import ckpt
-    from ckpt.layout import checkpoint_dirname
+    from ckpt.format.layout import checkpoint_dirname
 
     manager = ckpt.CheckpointManager(root, tiny_state(), retention=None)
     manager.save(1)
@@ -128,9 +128,9 @@ def save_template(root: str) -> str:
 def clone_checkpoint(template: str, out_root: str, step: int) -> None:
     """A committed copy of the checkpoint directory ``template`` as ``step`` under the local
     ``out_root``: its files, with manifest.json and COMPLETE rewritten for ``step``."""
-    from ckpt.checksum import crc32c_of
-    from ckpt.layout import COMPLETE_NAME, MANIFEST_NAME, checkpoint_dirname
-    from ckpt.manifest import CompleteMarker, Manifest
+    from ckpt.format.checksum import crc32c_of
+    from ckpt.format.layout import COMPLETE_NAME, MANIFEST_NAME, checkpoint_dirname
+    from ckpt.format.manifest import CompleteMarker, Manifest
 
     out = os.path.join(out_root, checkpoint_dirname(step))
     os.makedirs(out)
@@ -182,7 +182,7 @@ def _ops(root: str, n: int) -> dict[str, Callable[[], Any]]:
     when its result is not what the root holds."""
     import ckpt
     from ckpt.cli import main as ckpt_cli
-    from ckpt.retention import apply_retention
+    from ckpt.lifecycle.retention import apply_retention
 
     def resume() -> Any:
         manager = ckpt.CheckpointManager(root, tiny_state(), retention=None)
@@ -218,7 +218,7 @@ def _ops(root: str, n: int) -> dict[str, Callable[[], Any]]:
 
 
 def _checked(root: str, n: int) -> None:
-    from ckpt.discovery import list_checkpoints
+    from ckpt.load.discovery import list_checkpoints
 
     committed = [i.step for i in list_checkpoints(root) if i.committed]
     if committed[::-1] != root_steps(n):

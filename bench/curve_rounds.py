@@ -64,7 +64,7 @@ def save_phases() -> dict[str, list[tuple[Any, str]]]:
     from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
     from ckpt.dist import Collective
-    from ckpt.writer import BlockSavePlanner, ShardWriter
+    from ckpt.save.writer import BlockSavePlanner, ShardWriter
 
     return {
         "local_plan": [
@@ -329,7 +329,7 @@ class _Point:
 
     def sizes(self) -> dict[str, int]:
         """Bytes of the kept checkpoints and of their metadata files (rank 0)."""
-        from ckpt.layout import DCP_METADATA_NAME, MANIFEST_NAME, checkpoint_dirname
+        from ckpt.format.layout import DCP_METADATA_NAME, MANIFEST_NAME, checkpoint_dirname
 
         ours = os.path.join(self._path("ours", "kept"), checkpoint_dirname(SAVED_STEP))
         dcp_dir = self._path("dcp", "kept")

@@ -336,8 +336,8 @@ def transfer_baseline(rank: int, receiver: int, nbytes: int, reps: int = 3) -> d
     import torch
     import torch.distributed as dist
 
-    from ckpt.checksum import crc32c_of
     from ckpt.dist import new_checkpoint_group
+    from ckpt.format.checksum import crc32c_of
 
     group = new_checkpoint_group()
     if nbytes <= 0 or receiver == 0:

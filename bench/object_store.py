@@ -85,12 +85,12 @@ def _stream_and_forced(scheme: str, bucket: str, shard_len: int) -> tuple[RawStr
     from ckpt.storage import StorageOptions
 
     if scheme == "gs":
-        from ckpt.gcs_parts import GcsTransferOptions
+        from ckpt.storage.gcs_parts import GcsTransferOptions
 
         part = max(1 << 20, shard_len // 4)
         forced: Any = GcsTransferOptions(parallel_min_bytes=0, part_bytes=part)
         return GcsfsStream(bucket), StorageOptions(transfer=forced)
-    from ckpt.backends.s3 import MIN_PART_BYTES, S3TransferOptions
+    from ckpt.storage.s3 import MIN_PART_BYTES, S3TransferOptions
 
     forced = S3TransferOptions(parallel_min_bytes=0, part_bytes=max(MIN_PART_BYTES, shard_len // 4))
     return BotocoreStream(bucket), StorageOptions(transfer=forced)

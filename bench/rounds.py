@@ -127,7 +127,7 @@ def load_rounds(rank: int, world: int, work: str, width: int, rounds: int) -> di
     zeroed before every load; at the end the loaded values must equal the saved ones.
     """
     import ckpt
-    from ckpt.layout import checkpoint_dirname, shard_filename
+    from ckpt.format.layout import checkpoint_dirname, shard_filename
 
     root = os.path.join(work, "ckpt")
     ckpt_dir = os.path.join(root, checkpoint_dirname(SAVED_STEP))
@@ -171,7 +171,7 @@ def load_rounds(rank: int, world: int, work: str, width: int, rounds: int) -> di
 
 def reshard_save(rank: int, world: int, root: str, width: int) -> dict[str, Any]:
     """Write the checkpoint the reshard loads read: seed-0 state saved from ``world`` ranks."""
-    from ckpt.layout import checkpoint_dirname
+    from ckpt.format.layout import checkpoint_dirname
 
     digest = _save_seed0(root, width)
     files = disk.files_under(os.path.join(root, checkpoint_dirname(SAVED_STEP)))
@@ -193,7 +193,7 @@ def reshard_load(
     the saved ones (``saved_digest``, from :func:`reshard_save`).
     """
     import ckpt
-    from ckpt.layout import checkpoint_dirname
+    from ckpt.format.layout import checkpoint_dirname
 
     files = disk.files_under(os.path.join(root, checkpoint_dirname(SAVED_STEP)))
     model, optim = build_trained(width, seed=1)

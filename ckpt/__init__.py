@@ -30,7 +30,7 @@ Asynchronous save (returns once the state is staged in host memory)::
 
 The model of a checkpoint as Hugging Face safetensors or one torch file (streamed, verified)::
 
-    ckpt.export("gs://bucket/run1", "./my-model", dtype="bf16")   # python -m ckpt export
+    ckpt.interop.export("gs://bucket/run1", "./my-model", dtype="bf16")   # python -m ckpt export
 
 and back: a ``save_pretrained`` directory as the starting point of a sharded model::
 
@@ -39,15 +39,12 @@ and back: a ``save_pretrained`` directory as the starting point of a sharded mod
 
 Layout, manifest and commit rules: docs/design.md. ``python -m ckpt --help`` for the CLI.
 Only what a script needs is exported here; the parts behind it (``ckpt.storage.Storage``,
-``ckpt.manifest``, ``ckpt.retention.apply_retention``, the storage error subclasses in
+``ckpt.format.manifest``, ``ckpt.lifecycle.retention.apply_retention``, the storage error subclasses in
 ``ckpt.errors``) are importable from their modules.
 """
 
 from __future__ import annotations
 
-from ckpt.async_save import PendingSave, close, wait_pending
-from ckpt.commit import save
-from ckpt.discovery import CheckpointInfo, find_latest_committed, list_checkpoints
 from ckpt.errors import (
     CheckpointDirError,
     CheckpointError,
@@ -68,15 +65,18 @@ from ckpt.errors import (
     TooManySaveFailuresError,
     UnsupportedStateError,
 )
-from ckpt.export import ExportResult, export
+from ckpt.interop.export import ExportResult, export
+from ckpt.interop.pretrained import PretrainedLoad, load_pretrained
+from ckpt.lifecycle.retention import RetentionPolicy
+from ckpt.load.discovery import CheckpointInfo, find_latest_committed, list_checkpoints
+from ckpt.load.restore import LoadResult, load
+from ckpt.load.verify import VerifyReport, verify_dir
 from ckpt.manager import CheckpointManager, ResumeInfo
 from ckpt.options import CheckpointOptions
-from ckpt.per_rank import PerRank
-from ckpt.pretrained import PretrainedLoad, load_pretrained
-from ckpt.restore import LoadResult, load
-from ckpt.retention import RetentionPolicy
+from ckpt.save.async_save import PendingSave, close, wait_pending
+from ckpt.save.commit import save
+from ckpt.state.per_rank import PerRank
 from ckpt.storage import StorageOptions
-from ckpt.verify import VerifyReport, verify_dir
 
 __all__ = [
     "CheckpointDirError",

@@ -14,23 +14,22 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ckpt import ownership
-from ckpt.discovery import FOREIGN, PARTIAL, QUARANTINED, RENAMED, Catalog, resolve
 from ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ckpt.layout import (
+from ckpt.format.layout import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
     QUARANTINE_MARKER_NAME,
     parse_checkpoint_dirname,
 )
-from ckpt.lease import read_lease
-from ckpt.manifest import MAX_MANIFEST_BYTES, Manifest
-from ckpt.quarantine import parse_quarantined_dirname, record_matches
-from ckpt.quarantine import read_record as read_quarantine_record
-from ckpt.reader import ShardReader
-from ckpt.retention import RetentionPolicy, apply_retention
-from ckpt.storage import DIR, Storage
-from ckpt.verify import (
+from ckpt.format.manifest import MAX_MANIFEST_BYTES, Manifest
+from ckpt.lifecycle import ownership
+from ckpt.lifecycle.lease import read_lease
+from ckpt.lifecycle.quarantine import parse_quarantined_dirname, record_matches
+from ckpt.lifecycle.quarantine import read_record as read_quarantine_record
+from ckpt.lifecycle.retention import RetentionPolicy, apply_retention
+from ckpt.load.discovery import FOREIGN, PARTIAL, QUARANTINED, RENAMED, Catalog, resolve
+from ckpt.load.reader import ShardReader
+from ckpt.load.verify import (
     MODE_CHECKSUM,
     MODE_DEEP,
     MODE_FAST,
@@ -38,6 +37,7 @@ from ckpt.verify import (
     non_finite_tensors,
     verify_dir,
 )
+from ckpt.storage import DIR, Storage
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -318,7 +318,7 @@ def _gc_quarantined(catalog: Catalog, args: argparse.Namespace, verb: str) -> in
     """Delete quarantined checkpoints (``--quarantined``), or say how many are kept.
 
     Only a directory whose QUARANTINED record names it (step and stamp) and whose files
-    are all this library's is deleted (:mod:`ckpt.ownership`); others are said and kept.
+    are all this library's is deleted (:mod:`ckpt.lifecycle.ownership`); others are said and kept.
     """
     storage = catalog.storage
     aside = [(q.dirname, q.step, q.reason) for q in catalog.quarantined()]
@@ -375,7 +375,7 @@ def _not_quarantined_by_us(storage: Storage, dirname: str) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ckpt.export import describe, export, load_rename_table
+    from ckpt.interop.export import describe, export, load_rename_table
 
     result = export(
         args.url,

@@ -154,7 +154,7 @@ def job_names(env: Mapping[str, str] | None = None) -> dict[str, str]:
 def validate(env: Mapping[str, str] | None = None) -> None:
     """Parse every ``CKPT_*`` variable now, as its reader will (``ValueError`` naming the
     first bad one; ``CKPT_STORAGE_FAULTS`` is parsed by the fault registry a manager
-    builds, :func:`ckpt.faults.check_env`), and say at WARNING which ``CKPT_*`` names this library does not know
+    builds, :func:`ckpt.storage.faults.check_env`), and say at WARNING which ``CKPT_*`` names this library does not know
     (a name close to a known one: a typo leaves a setting silently at its default).
 
     A :class:`~ckpt.manager.CheckpointManager` calls it when built, so that a bad value

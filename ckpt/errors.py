@@ -130,12 +130,12 @@ class NonFiniteStateError(SaveFailedError):
 
 
 class RootLeaseError(CheckpointDirError):
-    """Another job holds the root's owner lease: refused before any training (``ckpt.lease``)."""
+    """Another job holds the root's owner lease: refused before any training (``ckpt.lifecycle.lease``)."""
 
 
 class RootChangedError(SaveFailedError):
     """The root is no longer the one this job owns (deleted, replaced, unmounted, or its
-    lease taken over): a save refuses to write there (``ckpt.lease``)."""
+    lease taken over): a save refuses to write there (``ckpt.lifecycle.lease``)."""
 
 
 class CheckpointShapeError(StateMismatchError):

@@ -15,13 +15,13 @@ scheduler(s), and calls it at three places::
     manager.close()
 
 The manager holds an ordered list of tiers (:mod:`ckpt.tiers`; by default the memory
-tier when it is on, then the durable root: :mod:`ckpt.default_tiers`) and knows none of
+tier when it is on, then the durable root: :mod:`ckpt.tiers.defaults`) and knows none of
 them by name: at each step it offers the step to every tier whose save-decision policy
-says it is due (:mod:`ckpt.save_policy`), a resume walks the tiers' candidates in order
-(:mod:`ckpt.resume`), and :meth:`close` closes them. The mechanisms are their own
-modules: :mod:`ckpt.options` (every setting, validated), :mod:`ckpt.capture` (what a
-save holds), :mod:`ckpt.saves` (running durable saves, the one in flight, the failure
-count), :mod:`ckpt.root_check` and :mod:`ckpt.lease` (the root).
+says it is due (:mod:`ckpt.save.policy`), a resume walks the tiers' candidates in order
+(:mod:`ckpt.load.resume`), and :meth:`close` closes them. The mechanisms are their own
+modules: :mod:`ckpt.options` (every setting, validated), :mod:`ckpt.state.capture` (what a
+save holds), :mod:`ckpt.save.saves` (running durable saves, the one in flight, the failure
+count), :mod:`ckpt.lifecycle.root_check` and :mod:`ckpt.lifecycle.lease` (the root).
 
 Every method that touches checkpoints is a collective: every rank calls it, in the
 same order. A failed save is logged, reported as a ``checkpoint_failed`` event and
@@ -39,21 +39,21 @@ import torch.distributed as dist
 
 from ckpt import dist as _dist
 from ckpt import env as _env
-from ckpt import root_check as _root_check
-from ckpt.app_state import AppState
-from ckpt.capture import StateCapture
-from ckpt.default_tiers import DEFAULT_TIERS
-from ckpt.discovery import Catalog
 from ckpt.errors import CheckpointError
-from ckpt.faults import FaultRegistry, parse_storage_faults
-from ckpt.lease import JobIdentity, RootLease, take_lease
+from ckpt.lifecycle import root_check as _root_check
+from ckpt.lifecycle.lease import JobIdentity, RootLease, take_lease
+from ckpt.lifecycle.retention import RetentionPolicy
+from ckpt.lifecycle.retention import describe as describe_retention
+from ckpt.load.discovery import Catalog
+from ckpt.load.resume import ResumeInfo, ResumeWalk
 from ckpt.options import CheckpointOptions
-from ckpt.resume import ResumeInfo, ResumeWalk
-from ckpt.retention import RetentionPolicy
-from ckpt.retention import describe as describe_retention
-from ckpt.saves import DurableSaves, SaveFailures, expected_save_s
+from ckpt.save.saves import DurableSaves, SaveFailures, expected_save_s
+from ckpt.state.app_state import AppState
+from ckpt.state.capture import StateCapture
 from ckpt.storage import Storage, StorageOptions
+from ckpt.storage.faults import FaultRegistry, parse_storage_faults
 from ckpt.tiers import SaveRequest, Tier, TierBuilder, TierContext
+from ckpt.tiers.defaults import DEFAULT_TIERS
 from runcore import events as ev
 
 __all__ = ["CheckpointManager", "EventCallback", "ResumeInfo"]
@@ -67,13 +67,13 @@ EventCallback = Callable[..., None]
 class CheckpointManager:
     """Saves and resumes one run's state under one root; every rank holds one.
 
-    ``state`` maps names to the objects to checkpoint (see :mod:`ckpt.app_state`):
+    ``state`` maps names to the objects to checkpoint (see :mod:`ckpt.state.app_state`):
     models, optimizers, LR schedulers and other ``Stateful`` objects, plain values.
     Plain values are put back into the same dict by :meth:`resume`.
 
     ``options``: a :class:`~ckpt.options.CheckpointOptions`, every setting below in one
     validated object; or the same settings as keyword arguments (``every=50,
-    async_save=True``, and ``retention=`` a :class:`~ckpt.retention.RetentionPolicy` or
+    async_save=True``, and ``retention=`` a :class:`~ckpt.lifecycle.retention.RetentionPolicy` or
     None for ``keep_last``/``keep_every``), which build it (not both). ``rng``: save each
     rank's RNG under its own key; on resume it is restored when the world size is
     unchanged and re-derived from ``(seed, step, rank)`` otherwise. ``metadata``: a dict,
@@ -82,7 +82,7 @@ class CheckpointManager:
     ``checkpoint_saved``, ``checkpoint_loaded``, ``fallback``, ``checkpoint_failed`` and
     ``resume`` events (from the save thread too: it must be thread-safe). ``tiers``: the
     :data:`~ckpt.tiers.TierBuilder` functions of the tiers, in order (None:
-    :data:`~ckpt.default_tiers.DEFAULT_TIERS`); exactly one strict tier, the durable
+    :data:`~ckpt.tiers.defaults.DEFAULT_TIERS`); exactly one strict tier, the durable
     root, and it comes last.
 
     Saves (:meth:`maybe_save`): durable every ``every`` steps and at ``final``;
@@ -131,7 +131,7 @@ class CheckpointManager:
     (WARNING). Before each save writes, the root must still be the one it leased (not
     deleted, recreated or unmounted), else :class:`~ckpt.errors.RootChangedError`, a failed
     save. ``lease_ttl_s`` (default ``CKPT_LEASE_TTL_S``, else 60; 0: no lease); which
-    launches count as one job: :mod:`ckpt.lease`.
+    launches count as one job: :mod:`ckpt.lifecycle.lease`.
 
     Construct it on every rank at the same point: with a process group it creates the
     checkpoint gloo group, which is a collective; ``setup_timeout_s`` bounds how long a
@@ -264,7 +264,7 @@ class CheckpointManager:
 
         A root that is, or is inside, a checkpoint is refused (nothing is created
         there); a local root is created; the root is listed and a probe object written,
-        read back and deleted (:func:`~ckpt.root_check.check_root`), so a bad scheme, a
+        read back and deleted (:func:`~ckpt.lifecycle.root_check.check_root`), so a bad scheme, a
         path under a file, a read-only or full disk, missing permissions or a missing
         bucket raise :class:`~ckpt.errors.CheckpointDirError` here, before any training.
         """

@@ -18,9 +18,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from ckpt import finite
 from ckpt.env import MAX_LEASE_TTL_S
-from ckpt.retention import DEFAULT_RETENTION, RetentionPolicy
+from ckpt.lifecycle.retention import DEFAULT_RETENTION, RetentionPolicy
+from ckpt.save import finite
 
 PARAM_GROUPS = ("checkpoint", "constructed")
 """``param_groups``: whose optimizer settings a resume keeps."""
@@ -133,7 +133,7 @@ class CheckpointOptions:
     def from_kwargs(cls, **kwargs: Any) -> CheckpointOptions:
         """The options of ``CheckpointManager``'s keyword arguments (``every=50, ...``).
 
-        The field names, plus ``retention``: a :class:`~ckpt.retention.RetentionPolicy`
+        The field names, plus ``retention``: a :class:`~ckpt.lifecycle.retention.RetentionPolicy`
         (its ``keep_last``/``keep_every``) or None (keep every checkpoint).
         """
         known = {f.name for f in fields(cls)}

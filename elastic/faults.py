@@ -5,7 +5,7 @@ Grammar (docs/design.md): `KIND:step=S[:rank=R][:attempt=A]`, or
 `--fault` arguments and from the environment variable `TRAINER_FAULTS`
 (`;`-separated). Command-line specs come first, then the environment's; both apply.
 It is the one key=value grammar of every fault in this project
-(`runcore.faultspec.split_fault_spec`): `ckpt.faults` parses `CKPT_STORAGE_FAULTS` with it too, and a `ckpt-storage` spec takes
+(`runcore.faultspec.split_fault_spec`): `ckpt.storage.faults` parses `CKPT_STORAGE_FAULTS` with it too, and a `ckpt-storage` spec takes
 the storage keys `phase`, `error`, `times` and `delay_ms` besides step, rank and attempt.
 
 Kinds:

@@ -1,6 +1,6 @@
 """The one grammar of every fault spec in this project: ``NAME[:key=value]...``.
 
-``elastic.faults`` (``TRAINER_FAULTS``, ``--fault``) and ``ckpt.faults``
+``elastic.faults`` (``TRAINER_FAULTS``, ``--fault``) and ``ckpt.storage.faults``
 (``CKPT_STORAGE_FAULTS``) both split their specs with :func:`split_fault_spec` and check
 the name and keys themselves. Pure; standard library only.
 """

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ckpt import faults
+from ckpt.storage import faults
 from testing.gcs_emulator import (
     EMULATOR_HOST_ENV,
     Emulator,

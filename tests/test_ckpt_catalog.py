@@ -16,10 +16,10 @@ import torch
 from test_ckpt_core import _corrupt_flip, blank_state, make_state, write
 
 import ckpt
-from ckpt import commit
-from ckpt.discovery import COMMITTED, CORRUPT, PARTIAL, QUARANTINED, Catalog
-from ckpt.layout import COMPLETE_NAME, MANIFEST_NAME, QUARANTINE_MARKER_NAME
-from ckpt.manifest import Attempt
+from ckpt.format.layout import COMPLETE_NAME, MANIFEST_NAME, QUARANTINE_MARKER_NAME
+from ckpt.format.manifest import Attempt
+from ckpt.load.discovery import COMMITTED, CORRUPT, PARTIAL, QUARANTINED, Catalog
+from ckpt.save import commit
 from ckpt.storage import Storage
 
 pytestmark = pytest.mark.timeout(120)

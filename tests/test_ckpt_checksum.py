@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import checksum
-from ckpt.checksum import ChecksummingWriter, crc32c_combine, crc32c_of, encode_crc32c
+from ckpt.format import checksum
+from ckpt.format.checksum import ChecksummingWriter, crc32c_combine, crc32c_of, encode_crc32c
 from ckpt.storage import Storage
 
 
@@ -67,10 +67,10 @@ def test_segments_checksum_each_byte_once_and_the_whole() -> None:
 
 
 def _checksum_without_crc32c(monkeypatch) -> types.ModuleType:
-    """A fresh copy of ckpt/checksum.py executed as if ``crc32c`` were not installed.
+    """A fresh copy of ckpt/format/checksum.py executed as if ``crc32c`` were not installed.
 
     ``sys.modules["crc32c"] = None`` makes ``import crc32c`` raise ImportError, so the
-    module takes its google_crc32c branch; the imported ``ckpt.checksum`` is untouched.
+    module takes its google_crc32c branch; the imported ``ckpt.format.checksum`` is untouched.
     """
     monkeypatch.setitem(sys.modules, "crc32c", None)
     spec = importlib.util.spec_from_file_location("_checksum_fallback", checksum.__file__)

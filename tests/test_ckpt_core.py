@@ -15,10 +15,9 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import faults
-from ckpt.faults import StorageFault
-from ckpt.layout import DCP_METADATA_NAME
-from ckpt.storage import Storage, StorageOptions
+from ckpt.format.layout import DCP_METADATA_NAME
+from ckpt.storage import Storage, StorageOptions, faults
+from ckpt.storage.faults import StorageFault
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -274,8 +273,7 @@ def test_relaunch_under_the_same_run_id_is_not_fenced(any_root, monkeypatch):
     # launch's commits predate its processes, so they do not fence it.
     import time
 
-    from ckpt import commit
-
+    from ckpt.save import commit
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
     ckpt.save(make_state(1), any_root, 10)
@@ -388,7 +386,7 @@ def test_chunk_checksums_cover_every_byte_of_each_shard(tmp_root):
 
 
 def test_local_writes_start_writeback_early_for_consecutive_ranges(tmp_path, monkeypatch):
-    from ckpt.backends import local as storage_mod
+    from ckpt.storage import local as storage_mod
 
     calls: list[tuple[int, int]] = []
     monkeypatch.setattr(
@@ -411,7 +409,7 @@ def test_local_writes_start_writeback_early_for_consecutive_ranges(tmp_path, mon
 
 
 def test_local_sink_passes_big_buffers_on_in_pieces():
-    from ckpt.backends import local as storage_mod
+    from ckpt.storage import local as storage_mod
 
     class Recorder:
         def __init__(self):
@@ -462,7 +460,7 @@ def test_large_tensors_are_saved_as_row_blocks_that_plain_dcp_reads(tmp_path, mo
 
 
 def test_row_block_views_share_memory_instead_of_copying():
-    from ckpt.writer import own_storage
+    from ckpt.save.writer import own_storage
 
     base = torch.arange(100.0).reshape(20, 5)
     block = base.narrow(0, 4, 6)

@@ -137,9 +137,7 @@ def killed_mid_save_worker(rank: int, world: int, root: str) -> str:
     model, optim = build(seed=5)
     train_steps(model, optim, 1, rank)
     ckpt.save(sharded_state(model, optim, 1), root, 1)
-    from ckpt import faults
-
-    # Rank 1 is SIGKILLed while writing its shard of step 2.
+    from ckpt.storage import faults  # Rank 1 is SIGKILLed while writing its shard of step 2.
     faults.install(faults.StorageFault(phase="shard", kind="kill", rank=1))
     started = time.monotonic()
     try:
@@ -225,7 +223,7 @@ def test_row_blocks_let_a_resharding_load_skip_what_it_does_not_need(tmp_path, m
 
 
 def test_bad_block_size_setting_is_a_clear_error(monkeypatch):
-    from ckpt.writer import save_block_bytes
+    from ckpt.save.writer import save_block_bytes
 
     monkeypatch.setenv("CKPT_SAVE_BLOCK_BYTES", "lots")
     with pytest.raises(ValueError, match="CKPT_SAVE_BLOCK_BYTES='lots'"):

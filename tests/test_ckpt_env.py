@@ -21,7 +21,7 @@ def test_import_ckpt_survives_a_bad_value_in_every_variable() -> None:
     # No import-time reads: garbage in every variable must not break `import ckpt`.
     bad = {name: "not-a-number" for name in env.VARIABLES}
     result = subprocess.run(
-        [sys.executable, "-c", "import ckpt, ckpt.cli, ckpt.memory; print('ok')"],
+        [sys.executable, "-c", "import ckpt, ckpt.cli, ckpt.tiers.memory; print('ok')"],
         capture_output=True,
         text=True,
         timeout=60,

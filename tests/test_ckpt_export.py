@@ -1,4 +1,4 @@
-"""ckpt.export: a 2-rank FSDP2 checkpoint out as safetensors and torch, checked tensor by tensor.
+"""ckpt.interop.export: a 2-rank FSDP2 checkpoint out as safetensors and torch, checked tensor by tensor.
 
 The reference is what DCP itself calls the full model state:
 ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))``, taken by
@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import ckpt
 from ckpt.cli import main as cli_main
 from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ckpt.export import (
+from ckpt.interop.export import (
     SAFETENSORS_INDEX,
     Chunk,
     ExportError,
@@ -31,7 +31,7 @@ from ckpt.export import (
     row_blocks,
     shard_names,
 )
-from ckpt.reader import load_metadata
+from ckpt.load.reader import load_metadata
 from testing.spawn import run_ok
 
 pytestmark = pytest.mark.timeout(180)
@@ -352,7 +352,7 @@ def test_progress_lines_go_to_the_given_stream(saved, tmp_path, monkeypatch):
     import importlib
     import io
 
-    module = importlib.import_module("ckpt.export")  # ckpt.export is the function
+    module = importlib.import_module("ckpt.interop.export")  # ckpt.interop.export is the function
     monkeypatch.setattr(module, "PROGRESS_EVERY_S", 0.0)
     stream = io.StringIO()
     result = export(saved[0], str(tmp_path / "out"), progress=stream)

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import cli, finite
-from ckpt.discovery import list_checkpoints
-from ckpt.writer import SMALL_ITEM_BYTES
+from ckpt import cli
+from ckpt.load.discovery import list_checkpoints
+from ckpt.save import finite
+from ckpt.save.writer import SMALL_ITEM_BYTES
 from testing.spawn import run_ok
 
 pytestmark = pytest.mark.timeout(300)

@@ -19,10 +19,9 @@ import pytest
 from test_ckpt_core import assert_state_equal, blank_state, make_state
 
 import ckpt
-from ckpt import faults
 from ckpt.errors import StoragePermanentError
-from ckpt.faults import StorageFault
-from ckpt.storage import Storage, StorageOptions
+from ckpt.storage import Storage, StorageOptions, faults
+from ckpt.storage.faults import StorageFault
 from testing.gcs_emulator import emulator_env, gcs_filesystem
 from testing.spawn import run_ok, run_ranks
 
@@ -78,7 +77,7 @@ def test_round_trip_and_manifest_crc_matches_object_crc(gcs_root):
 
 
 def test_small_files_go_up_as_one_request_each_without_compose(gcs_root, monkeypatch):
-    from ckpt.gcs_parts import GcsClient
+    from ckpt.storage.gcs_parts import GcsClient
 
     uploads: list[str] = []
     composes: list[str] = []
@@ -91,7 +90,7 @@ def test_small_files_go_up_as_one_request_each_without_compose(gcs_root, monkeyp
     monkeypatch.setattr(GcsClient, "compose", lambda self, *a: composes.append(a[1]))
     ckpt.save(make_state(4), gcs_root, 4)
     names = sorted(name.rsplit("/", 1)[-1] for name in uploads)
-    # ATTEMPT: the claim a save writes before its shards (ckpt.ownership), gone at commit
+    # ATTEMPT: the claim a save writes before its shards (ckpt.lifecycle.ownership), gone at commit
     assert names == sorted(
         [".metadata", "rank_00000.distcp", "manifest.json", "COMPLETE", "ATTEMPT"]
     )

@@ -1,4 +1,4 @@
-"""GCS parallel part uploads, compose and parallel ranged reads (ckpt.gcs_parts).
+"""GCS parallel part uploads, compose and parallel ranged reads (ckpt.storage.gcs_parts).
 
 The part sink alone (zero-copy, part cuts, crc32c per part), then on the
 fake-gcs-server emulator: multi-part round trips (one and two compose levels),
@@ -20,11 +20,12 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import faults
-from ckpt.checksum import crc32c_of, encode_crc32c
 from ckpt.errors import ObjectNotFoundError
-from ckpt.faults import StorageFault
-from ckpt.gcs_parts import (
+from ckpt.format.checksum import crc32c_of, encode_crc32c
+from ckpt.format.layout import parse_checkpoint_dirname
+from ckpt.storage import Storage, StorageOptions, faults
+from ckpt.storage.faults import StorageFault
+from ckpt.storage.gcs_parts import (
     PARTS_DIRNAME,
     GcsClient,
     GcsTransferOptions,
@@ -33,8 +34,6 @@ from ckpt.gcs_parts import (
     part_crc,
     part_key,
 )
-from ckpt.layout import parse_checkpoint_dirname
-from ckpt.storage import Storage, StorageOptions
 from testing.gcs_emulator import (
     EMULATOR_HOST_ENV,
     create_bucket,
@@ -287,7 +286,7 @@ KILLED_UPLOAD = textwrap.dedent(
     import os, signal, sys
     import torch
     import ckpt
-    from ckpt.gcs_parts import GcsClient, GcsTransferOptions
+    from ckpt.storage.gcs_parts import GcsClient, GcsTransferOptions
     from ckpt.storage import StorageOptions
 
     original = GcsClient.upload

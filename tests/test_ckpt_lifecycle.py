@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.backends.local import is_disk_full
-from ckpt.root_check import _parents
+from ckpt.lifecycle.root_check import _parents
 from ckpt.storage import Storage
+from ckpt.storage.local import is_disk_full
 from testing import mounts
 from testing.spawn import run_ok
 

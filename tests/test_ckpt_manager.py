@@ -100,7 +100,7 @@ def test_each_rank_resumes_its_own_rng_and_a_new_world_size_re_derives_it(tmp_pa
 
     other = run_ok(_rng_resume, 1, root)[0]
     assert not other["restored"]
-    torch.manual_seed(ckpt.rng.derive_seed(5, 3, 0, 0xAB))
+    torch.manual_seed(ckpt.state.rng.derive_seed(5, 3, 0, 0xAB))
     assert other["draw"] == torch.rand(4).tolist()
 
 
@@ -152,7 +152,7 @@ def _first_steps(optim_cls, init: bool, **kwargs) -> tuple[list[float], list[tor
     model[2].bias.requires_grad_(False)
     optim = optim_cls(model.parameters(), lr=1e-2, **kwargs)
     if init:
-        assert ckpt.app_state.init_adam_state(optim)
+        assert ckpt.state.app_state.init_adam_state(optim)
         assert model[2].bias not in optim.state  # no grad, no state (as Adam's own init)
     x = torch.linspace(-1, 1, 24).reshape(4, 6)
     losses = []
@@ -187,13 +187,13 @@ def test_adam_state_is_not_made_for_other_optimizers_or_ones_with_state():
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         MyAdam(model.parameters()),
     ):
-        assert not ckpt.app_state.init_adam_state(optim) and not optim.state
+        assert not ckpt.state.app_state.init_adam_state(optim) and not optim.state
     stepped = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 3)).sum().backward()
-    assert not ckpt.app_state.init_adam_state(stepped)  # grads present: DCP's path
+    assert not ckpt.state.app_state.init_adam_state(stepped)  # grads present: DCP's path
     stepped.step()
     before = {k: dict(v) for k, v in stepped.state.items()}
-    assert not ckpt.app_state.init_adam_state(stepped)
+    assert not ckpt.state.app_state.init_adam_state(stepped)
     assert {k: dict(v) for k, v in stepped.state.items()} == before
 
 
@@ -205,7 +205,7 @@ def _adam_templates(rank: int, world: int) -> list[tuple]:
     for ours in (True, False):
         model, optim = _model_and_optim(shard=True)
         if ours:
-            assert ckpt.app_state.init_adam_state(optim)
+            assert ckpt.state.app_state.init_adam_state(optim)
         sd = get_optimizer_state_dict(model, optim)
         rows = []
         for fqn, entry in sorted(sd["state"].items()):
@@ -339,7 +339,7 @@ def test_a_ckpt_storage_fault_spec_fails_one_save_and_training_goes_on(tmp_path)
 
 
 def test_storage_fault_env_grammar_is_the_fault_spec_grammar():
-    from ckpt.faults import StorageFault, parse_storage_faults
+    from ckpt.storage.faults import StorageFault, parse_storage_faults
 
     assert parse_storage_faults("ckpt-storage:phase=complete:error=kill:rank=0:times=2") == [
         StorageFault(phase="complete", kind="kill", rank=0, times=2)

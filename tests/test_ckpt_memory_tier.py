@@ -18,7 +18,7 @@ import torch
 
 import ckpt
 import elastic
-from ckpt import reader as reader_mod
+from ckpt.load import reader as reader_mod
 from testing.spawn import run_ok
 
 pytestmark = pytest.mark.timeout(300)
@@ -102,7 +102,7 @@ def _resume(
 ):
     os.environ["CKPT_MEMORY_DIR"] = _node_dir(memory, rank)
     if chunk_bytes is not None:  # many small messages: the chunked transfer's edges
-        from ckpt.memory import restore as memory_restore
+        from ckpt.tiers.memory import restore as memory_restore
 
         memory_restore.CHUNK_BYTES = chunk_bytes
     events: list[tuple[str, int, dict]] = []
@@ -168,8 +168,8 @@ def _slot_of(node_dir: str, holder: int, step: int) -> str:
 def _rank1_weight(slot_dir: str) -> tuple[str, int, int, int]:
     """Rank 1's shard of model.0.weight in a slot: (file, item offset, item length, offset
     of the item's values in the file)."""
-    from ckpt.reader import load_metadata
-    from ckpt.tensorblob import data_layout
+    from ckpt.format.tensorblob import data_layout
+    from ckpt.load.reader import load_metadata
 
     with open(os.path.join(slot_dir, ".metadata"), "rb") as f:
         storage = load_metadata(f.read()).storage_data
@@ -343,7 +343,7 @@ def test_a_flipped_byte_in_a_chunk_received_from_the_peer_is_rejected(tmp_path, 
 
 
 def test_a_chunk_is_waited_for_once_and_only_when_a_read_covers_it():
-    from ckpt.memory import fs as memory_fs
+    from ckpt.tiers.memory import fs as memory_fs
 
     class Work:
         def __init__(self, fail: bool = False) -> None:
@@ -382,7 +382,7 @@ def test_sends_are_posted_in_order_off_the_loading_thread_and_each_waited_once(m
     import threading
     import types
 
-    from ckpt.memory import restore
+    from ckpt.tiers.memory import restore
 
     posted: list[tuple[int, int, str]] = []
     waits: list[int] = []
@@ -415,7 +415,7 @@ def test_sends_are_posted_in_order_off_the_loading_thread_and_each_waited_once(m
 
 
 def test_closing_a_file_waits_for_every_chunk_still_arriving():
-    from ckpt.memory import fs as memory_fs
+    from ckpt.tiers.memory import fs as memory_fs
 
     class Work:
         waits = 0
@@ -436,8 +436,8 @@ def test_closing_a_file_waits_for_every_chunk_still_arriving():
 
 _FRESH_PROCESS_READ = """
 import fsspec
-import ckpt, ckpt.manager, ckpt.memory
-from ckpt.memory import fs
+import ckpt, ckpt.manager, ckpt.tiers.memory
+from ckpt.tiers.memory import fs
 assert fs.PROTOCOL not in fsspec.registry, "ckptmem:// registered at import"
 url = fs.register("k1", {"d/manifest.json": fs.BytesFile(b"{}"), "d/x": fs.BytesFile(b"abc")})
 assert fsspec.registry[fs.PROTOCOL] is fs.SnapshotFileSystem
@@ -519,8 +519,8 @@ def test_memory_every_is_validated():
 def test_only_items_loaded_whole_into_their_own_memory_are_received_in_place(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from ckpt.memory.restore import _plan_reads
-    from ckpt.reader import load_metadata
+    from ckpt.load.reader import load_metadata
+    from ckpt.tiers.memory.restore import _plan_reads
 
     saved = {"a": torch.randn(4, 3), "b": torch.randn(4, 3), "n": 5}
     dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
@@ -549,10 +549,10 @@ def _scattered_load(tmp_path, monkeypatch, *, into_target: bool, flip: bool = Fa
     """Load a checkpoint whose weight item is served as three parts (header, values,
     trailer), the values in ``target["w"]`` itself (what a peer restore receives) or in a
     buffer of their own; returns the target and the items the loader decoded."""
-    from ckpt.layout import checkpoint_dirname
-    from ckpt.memory import fs as memory_fs
-    from ckpt.reader import load_metadata
-    from ckpt.tensorblob import data_layout
+    from ckpt.format.layout import checkpoint_dirname
+    from ckpt.format.tensorblob import data_layout
+    from ckpt.load.reader import load_metadata
+    from ckpt.tiers.memory import fs as memory_fs
 
     saved = {"w": torch.randn(16, 8), "n": 3}
     root = str(tmp_path / "root")

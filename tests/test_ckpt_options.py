@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import ckpt
+from ckpt.lifecycle.retention import DEFAULT_RETENTION, RetentionPolicy
 from ckpt.options import CheckpointOptions
-from ckpt.retention import DEFAULT_RETENTION, RetentionPolicy
-from ckpt.save_policy import EveryNSteps, SaveDecisionPolicy
+from ckpt.save.policy import EveryNSteps, SaveDecisionPolicy
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import per_rank
+from ckpt.state import per_rank
 from testing.spawn import run_ok
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import faults
 from ckpt.errors import StoragePermanentError
-from ckpt.faults import FaultRegistry, StorageFault
-from ckpt.storage import Storage, StorageOptions
+from ckpt.storage import Storage, StorageOptions, faults
+from ckpt.storage.faults import FaultRegistry, StorageFault
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,7 +2,7 @@
 
 Before, a damaged newest checkpoint made resume fall back, re-run the steps and then
 fail every save of the same step (committed checkpoints are never overwritten): a
-crash loop. These tests pin the protocol of ckpt/quarantine.py on local, memory://
+crash loop. These tests pin the protocol of ckpt/lifecycle/quarantine.py on local, memory://
 and gs:// roots, its crash safety, and what ``python -m ckpt`` says about it.
 """
 
@@ -21,22 +21,22 @@ from test_ckpt_core import _corrupt_flip, blank_state, gcs_crc, make_state, read
 
 import ckpt
 from ckpt import cli
-from ckpt.discovery import QUARANTINED, list_checkpoints
 from ckpt.errors import (
     CheckpointUnreadableError,
     CorruptCheckpointError,
     StorageError,
     UncommittedCheckpointError,
 )
-from ckpt.layout import COMPLETE_NAME, QUARANTINE_MARKER_NAME
-from ckpt.quarantine import (
+from ckpt.format.layout import COMPLETE_NAME, QUARANTINE_MARKER_NAME
+from ckpt.lifecycle.quarantine import (
     list_quarantined,
     parse_quarantined_dirname,
     quarantine,
     should_quarantine,
 )
-from ckpt.reader import ShardReader
-from ckpt.retention import RetentionPolicy, apply_retention
+from ckpt.lifecycle.retention import RetentionPolicy, apply_retention
+from ckpt.load.discovery import QUARANTINED, list_checkpoints
+from ckpt.load.reader import ShardReader
 from ckpt.storage import Storage
 
 pytestmark = pytest.mark.timeout(120)

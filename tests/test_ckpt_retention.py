@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.retention import (
+from ckpt.lifecycle.retention import (
     DEFAULT_RETENTION,
     RetentionPolicy,
     apply_retention,
@@ -137,7 +137,7 @@ def test_default_retention_keeps_the_newest_three():
 def test_a_checkpoint_pruned_by_another_prune_meanwhile_is_not_an_error(tmp_root, monkeypatch):
     # the manager's background retention and a user's `ckpt gc` prune the same root: the
     # other one deletes the directory just as this one wrote its claim there
-    from ckpt.backends.local import LocalBackend
+    from ckpt.storage.local import LocalBackend
 
     for step in (1, 2, 3):
         _save(tmp_root, step)

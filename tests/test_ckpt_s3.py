@@ -24,12 +24,11 @@ from test_ckpt_gcs import (
 )
 
 import ckpt
-from ckpt import faults
-from ckpt.backends.s3 import S3Client, S3TransferOptions
-from ckpt.checksum import crc32c_of
 from ckpt.errors import ObjectNotFoundError, StoragePermanentError
-from ckpt.faults import StorageFault
-from ckpt.storage import Storage, StorageOptions
+from ckpt.format.checksum import crc32c_of
+from ckpt.storage import Storage, StorageOptions, faults
+from ckpt.storage.faults import StorageFault
+from ckpt.storage.s3 import S3Client, S3TransferOptions
 from testing.s3_server import S3Server, s3_env, start_s3_server
 from testing.spawn import run_ranks
 
@@ -371,7 +370,7 @@ def test_transfer_options_are_checked_against_s3s_limits_and_the_scheme():
         S3TransferOptions(part_bytes=1 * MIB)
     with pytest.raises(ValueError, match="parallel_min_bytes"):
         S3TransferOptions(parallel_min_bytes=6 << 30)
-    from ckpt.gcs_parts import GcsTransferOptions
+    from ckpt.storage.gcs_parts import GcsTransferOptions
 
     with pytest.raises(StoragePermanentError, match="S3TransferOptions"):
         Storage("s3://bucket/run", StorageOptions(transfer=GcsTransferOptions()))

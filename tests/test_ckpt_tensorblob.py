@@ -1,4 +1,4 @@
-"""Zero-copy decoding of torch.save'd tensor items (ckpt.tensorblob) and its use by load."""
+"""Zero-copy decoding of torch.save'd tensor items (ckpt.format.tensorblob) and its use by load."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import reader as reader_mod
-from ckpt.tensorblob import data_layout, view_tensor
+from ckpt.format.tensorblob import data_layout, view_tensor
+from ckpt.load import reader as reader_mod
 
 
 def saved(obj) -> bytes:

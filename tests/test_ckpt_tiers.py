@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.default_tiers import DEFAULT_TIERS
-from ckpt.durable_tier import build_durable_tier
-from ckpt.memory.snapshots import build_memory_tier
-from ckpt.save_policy import EveryNSteps
+from ckpt.save.policy import EveryNSteps
 from ckpt.tiers import Candidate, ResumeScope, SaveRequest, TierContext, manager_record
+from ckpt.tiers.defaults import DEFAULT_TIERS
+from ckpt.tiers.durable import build_durable_tier
+from ckpt.tiers.memory.snapshots import build_memory_tier
 from runcore import events as ev
 
 pytestmark = pytest.mark.timeout(120)
@@ -237,7 +237,7 @@ def _imported_modules(path: Path) -> set[str]:
 
 def test_the_manager_imports_no_tier_module():
     imported = _imported_modules(REPO / "ckpt" / "manager.py")
-    tier_modules = {"ckpt.memory", "ckpt.durable_tier"}
+    tier_modules = {"ckpt.tiers.memory", "ckpt.tiers.durable"}
     found = {m for m in imported if any(m == t or m.startswith(t + ".") for t in tier_modules)}
     assert found == set(), found
-    assert "ckpt.default_tiers" in imported  # the list of tiers it builds by default
+    assert "ckpt.tiers.defaults" in imported  # the list of tiers it builds by default

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import elastic
-from ckpt.rng import derive_seed as ckpt_derive_seed
+from ckpt.state.rng import derive_seed as ckpt_derive_seed
 from elastic.rng import (
     DROPOUT_STREAM,
     MicroBatchSplitError,

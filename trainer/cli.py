@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ckpt import env as ckpt_env
-from ckpt import faults as ckpt_faults
+from ckpt.storage import faults as ckpt_faults
 from trainer.config import TrainConfig, load_config
 
 

@@ -37,9 +37,9 @@ import uuid
 import pytest
 
 import ckpt
-from ckpt.checksum import crc32c_of
-from ckpt.layout import shard_filename
-from ckpt.memory.layout import read_commit
+from ckpt.format.checksum import crc32c_of
+from ckpt.format.layout import shard_filename
+from ckpt.tiers.memory.layout import read_commit
 from testing.local_cluster import BACKENDS, REPO, ElasticJob
 from testing.ports import free_port
 from testing.procs import RunTimeoutError, run_bounded

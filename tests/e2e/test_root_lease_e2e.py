@@ -30,7 +30,7 @@ import time
 import pytest
 
 import ckpt
-from ckpt.lease import JobIdentity, RootLease, read_lease
+from ckpt.lifecycle.lease import JobIdentity, RootLease, read_lease
 from ckpt.storage import Storage
 from testing.local_cluster import REPO
 from testing.procs import (

@@ -20,8 +20,8 @@ import torch  # noqa: F401  (imported before the hook: not under test)
 
 import ckpt
 import ckpt.cli
-import ckpt.export
-import ckpt.memory  # noqa: F401
+import ckpt.interop.export
+import ckpt.tiers.memory  # noqa: F401
 
 EVENTS = {
     "open", "os.listdir", "os.scandir", "os.remove", "os.rmdir", "os.rename", "os.replace",

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from ckpt.checksum import crc32c_of
-from ckpt.manifest import CompleteMarker, Manifest
+from ckpt.format.checksum import crc32c_of
+from ckpt.format.manifest import CompleteMarker, Manifest
 
 DCP_MODULES = (
     "torch.distributed.checkpoint.metadata",

@@ -34,8 +34,8 @@ from corpus import (
 )
 
 import ckpt
-from ckpt.dcp_metadata import decode_metadata
 from ckpt.errors import CorruptCheckpointError
+from ckpt.format.dcp_metadata import decode_metadata
 
 AUDITED = os.path.join(os.path.dirname(__file__), "audited.py")
 SPAWNS = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "os.fork"}
@@ -259,7 +259,7 @@ m.close()
 
 
 def root_key(root: str) -> str:
-    from ckpt.memory.layout import run_key
+    from ckpt.tiers.memory.layout import run_key
 
     return run_key("local", root)
 
@@ -453,7 +453,7 @@ def test_numpy_values_are_saved_exactly_and_load_back_as_numpy(tmp_path):
 
 def test_a_value_that_fails_to_decode_quarantines_its_checkpoint(tmp_path, monkeypatch):
     """An item that does not decode (a gadget in a byte item) is damage: set aside, not a loop."""
-    import ckpt.commit as commit_module
+    import ckpt.save.commit as commit_module
 
     root = str(tmp_path / "root")
     canary = str(tmp_path / "CANARY")

@@ -16,8 +16,8 @@ import torch
 
 import ckpt
 from ckpt import cli
-from ckpt.layout import ATTEMPT_NAME
-from ckpt.retention import RetentionPolicy, apply_retention
+from ckpt.format.layout import ATTEMPT_NAME
+from ckpt.lifecycle.retention import RetentionPolicy, apply_retention
 
 
 def _save(root: str, step: int, **kw) -> None:

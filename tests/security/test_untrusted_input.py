@@ -20,7 +20,7 @@ from test_elastic_heartbeat import FakeStore, _fake_rank, _wait
 import ckpt
 import ckpt.cli
 from ckpt import env as ckpt_env
-from ckpt.memory.layout import MemoryDirError, open_private, secure_base_dir
+from ckpt.tiers.memory.layout import MemoryDirError, open_private, secure_base_dir
 from elastic.rendezvous import _wall_of, bind_address, listen_socket, parse_members
 
 # -- the memory tier's directory -------------------------------------------------------------
@@ -200,7 +200,7 @@ def test_a_hosted_ft_store_serves_on_the_endpoint_address():
     ],
 )
 def test_every_ckpt_variable_is_checked_when_a_manager_is_built(tmp_path, monkeypatch, name, value):
-    from ckpt.faults import check_env
+    from ckpt.storage.faults import check_env
 
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name if name != "CKPT_STORAGE_FAULTS" else "nonsense"):
@@ -270,7 +270,7 @@ def test_export_writes_the_verified_model_when_files_it_does_not_read_fail(tmp_p
     assert ckpt.cli.main(["verify", root]) == 1
     out = str(tmp_path / "out")
     with caplog.at_level(logging.WARNING, logger="ckpt"):
-        ckpt.export(root, out)
+        ckpt.interop.export(root, out)
     assert any("rank_00001.distcp" in r.getMessage() for r in caplog.records)
     tensors = load_file(os.path.join(out, "model.safetensors"))
     assert torch.equal(tensors["weight"], model.weight.detach())
@@ -278,5 +278,5 @@ def test_export_writes_the_verified_model_when_files_it_does_not_read_fail(tmp_p
     with open(os.path.join(ckpt_dir, "rank_00000.distcp"), "r+b") as f:
         f.truncate(10)
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"rank_00000\.distcp"):
-        ckpt.export(root, str(tmp_path / "out2"))
+        ckpt.interop.export(root, str(tmp_path / "out2"))
     assert not os.path.exists(tmp_path / "out2")

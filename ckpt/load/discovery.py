@@ -1,0 +1,289 @@
+"""Discovery: which checkpoints exist under a root, and which of them are committed.
+
+A directory counts as committed only if its COMPLETE marker parses, names the
+directory's step, and vouches for the exact bytes of its manifest.json (crc32c).
+Everything else is *partial*: invisible to resume and retention counting, shown
+as such by ``python -m ckpt ls``. A directory without COMPLETE but with a
+QUARANTINED record is *quarantined* (:mod:`ckpt.lifecycle.quarantine`, a move interrupted
+half-way): never resumed, never deleted by retention or a new save's clean-up.
+*corrupt* is a committed one that an operation failed to verify or load and did not
+quarantine (:meth:`Catalog.mark`). *renamed* is a committed checkpoint under another
+step's name (its COMPLETE and manifest agree on a step the name does not say): never
+resumed, never deleted, set aside by the operations that would have cleared it. One
+operation lists the root once into a :class:`Catalog` and passes it down.
+
+Everything read here is untrusted input: COMPLETE and manifest.json are read with size
+limits and parsed with checks; an entry named like a checkpoint that is not a directory
+(a plain file, a symbolic link, which is never followed) is *foreign*
+(:meth:`Catalog.foreign`): listed, never read through, never deleted. The root's owner
+lease records (:func:`ckpt.format.layout.is_lease_name`) are not checkpoints and are not listed
+here (``python -m ckpt ls`` shows the lease itself).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ckpt.errors import CorruptCheckpointError, ObjectNotFoundError, ObjectTooLargeError
+from ckpt.format.layout import (
+    COMPLETE_NAME,
+    MANIFEST_NAME,
+    QUARANTINE_MARKER_NAME,
+    checkpoint_dirname,
+    parse_checkpoint_dirname,
+)
+from ckpt.format.manifest import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, CompleteMarker, Manifest
+from ckpt.lifecycle.quarantine import (
+    QuarantinedCheckpoint,
+    list_quarantined,
+    parse_quarantined_dirname,
+)
+from ckpt.lifecycle.quarantine import read_record as read_quarantine_record
+from ckpt.storage import DIR, LINK, Storage
+
+logger = logging.getLogger(__name__)
+
+COMMITTED = "committed"
+PARTIAL = "partial"
+CORRUPT = "corrupt"
+"""Committed, but this operation failed to verify or load it (quarantine turned off)."""
+QUARANTINED = "quarantined"
+FOREIGN = "foreign"
+"""Named like a checkpoint but not a directory of ours: a symbolic link, a plain file."""
+RENAMED = "renamed"
+"""A committed checkpoint whose directory name says another step (renamed by hand)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForeignEntry:
+    """An entry of a root named like a checkpoint that is not a directory of ours."""
+
+    name: str
+    url: str
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointInfo:
+    """One checkpoint directory under a root, as discovery sees it."""
+
+    step: int
+    url: str
+    dirname: str
+    status: str
+    reason: str = ""
+    marker: CompleteMarker | None = None
+    manifest: Manifest | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.status == COMMITTED
+
+
+def as_storage(root: str | Storage) -> Storage:
+    return root if isinstance(root, Storage) else Storage(root)
+
+
+def inspect_dir(storage: Storage, dirname: str) -> CheckpointInfo:
+    """Classify one checkpoint directory (reads COMPLETE and manifest.json)."""
+    step = parse_checkpoint_dirname(dirname)
+    if step is None:
+        raise ValueError(f"{storage.url(dirname)} is not a checkpoint directory name")
+    url = storage.url(dirname)
+
+    def found(status: str, reason: str, **kw: Any) -> CheckpointInfo:
+        return CheckpointInfo(
+            step=step, url=url, dirname=dirname, status=status, reason=reason, **kw
+        )
+
+    def partial(reason: str, marker: CompleteMarker | None = None) -> CheckpointInfo:
+        return found(PARTIAL, reason, marker=marker)
+
+    kind = storage.local_kind(dirname)
+    if kind not in (None, DIR):
+        what = "a symbolic link" if kind == LINK else f"a {kind}, not a directory"
+        return found(FOREIGN, f"{what}: not read, never followed or deleted")
+
+    try:
+        raw_marker = storage.read_bytes(f"{dirname}/{COMPLETE_NAME}", max_bytes=MAX_MARKER_BYTES)
+    except ObjectTooLargeError:
+        return partial(f"COMPLETE is larger than the {MAX_MARKER_BYTES} bytes of a marker")
+    except ObjectNotFoundError:
+        if storage.exists(f"{dirname}/{QUARANTINE_MARKER_NAME}"):
+            reason = read_quarantine_record(storage, dirname).get("reason", "no reason recorded")
+            return found(
+                QUARANTINED, f"quarantined (move to a .quarantined- name unfinished): {reason}"
+            )
+        return partial("no COMPLETE marker (save interrupted or in progress)")
+    try:
+        marker = CompleteMarker.from_bytes(raw_marker, url=url)
+    except CorruptCheckpointError as exc:
+        return partial(str(exc))
+    try:
+        raw_manifest = storage.read_bytes(
+            f"{dirname}/{MANIFEST_NAME}", max_bytes=MAX_MANIFEST_BYTES
+        )
+    except ObjectTooLargeError:
+        return partial(f"manifest.json is larger than {MAX_MANIFEST_BYTES} bytes", marker)
+    except ObjectNotFoundError:
+        return partial("COMPLETE present but manifest.json is missing", marker)
+    if not marker.vouches_for(raw_manifest):
+        return partial("COMPLETE does not match manifest.json (crc32c differs)", marker)
+    try:
+        manifest = Manifest.from_bytes(raw_manifest, url=url)
+    except CorruptCheckpointError as exc:
+        return partial(str(exc), marker)
+    if manifest.step != step or marker.step != step:
+        if manifest.step == marker.step:
+            return found(
+                RENAMED,
+                f"renamed: it holds the committed checkpoint of step {marker.step}",
+                marker=marker,
+                manifest=manifest,
+            )
+        return partial(
+            f"COMPLETE names step {marker.step}, manifest step {manifest.step}, directory is "
+            f"step {step}",
+            marker,
+        )
+    return found(COMMITTED, "", marker=marker, manifest=manifest)
+
+
+class Catalog:
+    """One listing of a root for one operation, its directories inspected lazily, newest first.
+
+    A resume, a save's preparation or a CLI call lists the root once into a catalog and
+    passes it down (Orbax's ``CheckpointManager`` keeps its checkpoints the same way),
+    instead of each step listing the root again and re-reading every manifest: a resume
+    reads COMPLETE and manifest.json of the checkpoint it loads, and of older ones only
+    when it falls back to them. A snapshot: what changed on storage after the listing is
+    seen only through :meth:`mark` (quarantine, a failed verification) or a new catalog.
+    Used by one process (the coordinator of the operation); not thread-safe.
+    """
+
+    def __init__(self, root: str | Storage, entries: list[tuple[str, str]] | None = None):
+        self.storage = as_storage(root)
+        self._entries = entries
+        self._infos: dict[int, CheckpointInfo] = {}
+
+    @property
+    def entries(self) -> list[tuple[str, str]]:
+        """The root's listing (``Storage.list_dir``), made on first use."""
+        if self._entries is None:
+            self._entries = self.storage.list_dir()
+        return self._entries
+
+    def steps(self) -> list[int]:
+        """Steps of every checkpoint directory in the listing, newest first."""
+        return sorted(
+            (
+                s
+                for name, kind in self.entries
+                if kind == DIR and (s := parse_checkpoint_dirname(name)) is not None
+            ),
+            reverse=True,
+        )
+
+    def foreign(self) -> list[ForeignEntry]:
+        """Entries named like a checkpoint (or a quarantined one) that are not directories:
+        a plain file, a symbolic link (never followed), anything else. Never read, never
+        deleted; listed so that a user sees them."""
+        out = []
+        for name, kind in sorted(self.entries, reverse=True):
+            if kind == DIR:
+                continue
+            if parse_checkpoint_dirname(name) is None and parse_quarantined_dirname(name) is None:
+                continue
+            what = "a symbolic link" if kind == LINK else f"a {kind}, not a directory"
+            out.append(
+                ForeignEntry(
+                    name=name,
+                    url=self.storage.url(name),
+                    kind=kind,
+                    reason=f"{what}: not a checkpoint of this root (never followed or deleted)",
+                )
+            )
+        return out
+
+    def has(self, step: int) -> bool:
+        """Whether the listing holds a directory for ``step``."""
+        return step in self._infos or step in set(self.steps())
+
+    def info(self, step: int) -> CheckpointInfo:
+        """The checkpoint of ``step`` (COMPLETE and manifest.json read once, then kept)."""
+        if step not in self._infos:
+            self._infos[step] = inspect_dir(self.storage, checkpoint_dirname(step))
+        return self._infos[step]
+
+    def __iter__(self) -> Iterator[CheckpointInfo]:
+        """Every checkpoint directory, newest first, inspected as the iteration reaches it."""
+        return (self.info(step) for step in self.steps())
+
+    def latest_committed(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint, or None; reads only down to it."""
+        for info in self:
+            if info.committed:
+                return info
+            logger.debug("ckpt: skipping %s: %s", info.url, info.reason)
+        return None
+
+    def mark(self, step: int, status: str, reason: str) -> None:
+        """Record what this operation learned about ``step`` (quarantined, corrupt)."""
+        self._infos[step] = replace(self.info(step), status=status, reason=reason)
+
+    def quarantined(self) -> list[QuarantinedCheckpoint]:
+        """Checkpoints already moved aside under a ``.quarantined-`` name (newest first)."""
+        return list_quarantined(self.storage, self.entries)
+
+
+def list_checkpoints(
+    root: str | Storage, entries: list[tuple[str, str]] | None = None
+) -> list[CheckpointInfo]:
+    """Every checkpoint directory under ``root``, committed and partial, newest first.
+
+    ``entries``: the root's listing when the caller already has it (one listing per
+    operation).
+    """
+    return list(Catalog(root, entries))
+
+
+def committed_checkpoints(root: str | Storage) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``root``, newest first."""
+    return [info for info in list_checkpoints(root) if info.committed]
+
+
+def find_latest_committed(root: str | Storage) -> CheckpointInfo | None:
+    """The newest committed checkpoint under ``root``, or None.
+
+    Walks directories newest first and stops at the first committed one, so it
+    reads only what it must.
+    """
+    return Catalog(root).latest_committed()
+
+
+def resolve(url: str, step: int | None = None) -> tuple[Storage, CheckpointInfo]:
+    """Resolve a root URL (+ optional step) or a checkpoint directory URL to one checkpoint.
+
+    Without a step, a root resolves to its newest committed checkpoint.
+    """
+    stripped = url.rstrip("/")
+    dir_step = parse_checkpoint_dirname(stripped)
+    if dir_step is not None and "/" in stripped:
+        parent, dirname = stripped.rsplit("/", 1)
+        if step is not None and step != dir_step:
+            raise ValueError(f"{url} is the checkpoint of step {dir_step}, not step {step}")
+        storage = Storage(parent or "/")
+        return storage, inspect_dir(storage, dirname)
+    storage = Storage(url)
+    if step is not None:
+        return storage, inspect_dir(storage, checkpoint_dirname(step))
+    latest = find_latest_committed(storage)
+    if latest is None:
+        from ckpt.errors import CheckpointNotFoundError
+
+        raise CheckpointNotFoundError(f"no committed checkpoint under {url}")
+    return storage, latest

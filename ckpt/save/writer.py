@@ -1,0 +1,297 @@
+"""Shard writer: a torch.distributed.checkpoint ``StorageWriter`` over :class:`Storage`.
+
+Files are in DCP's own format (items written back to back with ``torch.save``,
+located by ``_StorageInfo`` in ``.metadata``), so plain ``dcp.load`` reads them;
+only the names differ (``rank_00000.distcp``). Each item's crc32c is computed as
+it streams out (once per byte: the file's crc32c is combined from the items') and
+kept for the manifest, so a rank that later reads only some
+items of a file (resharding) still verifies every byte it uses.
+
+DCP calls, on every rank: ``set_up_storage_writer``, ``prepare_local_plan``,
+``write_data``; on the coordinator: ``prepare_global_plan`` and ``finish`` (which
+writes ``.metadata`` after all ranks' shards are durable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import pickle
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckpt import env
+from ckpt.format.checksum import ChecksummingWriter
+from ckpt.format.layout import DCP_METADATA_NAME, shard_filename
+from ckpt.save import finite
+from ckpt.storage import FileRecord, Storage
+
+SAVE_BLOCK_BYTES = 8 << 20
+"""Tensor shards larger than this are saved as several DCP chunks of whole rows
+(``CKPT_SAVE_BLOCK_BYTES`` overrides it)."""
+
+
+def save_block_bytes() -> int:
+    return env.get_int(env.SAVE_BLOCK_BYTES, SAVE_BLOCK_BYTES, minimum=1)
+
+
+class BlockSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with large tensor shards cut into row blocks.
+
+    Each block is its own DCP chunk (and item in the shard file, with its own
+    crc32c), so a load into another world size reads only the blocks that overlap
+    its shards: with one item per shard, a rank needing a few rows of a
+    neighbour's shard had to read (and checksum) all of it, since a crc32c covers
+    a whole item. Blocks are row ranges along dim 0 of at most
+    ``SAVE_BLOCK_BYTES`` (at least one row); smaller or 0-d tensors stay whole.
+    Plain ``dcp.load`` reads such checkpoints (several chunks per tensor are
+    ordinary DCP metadata).
+    """
+
+    def __init__(self, block_bytes: int | None = None) -> None:
+        super().__init__()
+        self.block_bytes = save_block_bytes() if block_bytes is None else block_bytes
+        self._blocks: dict[MetadataIndex, tuple[MetadataIndex, int, int]] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        self._blocks = {}
+        items: list[WriteItem] = []
+        for item in plan.items:
+            items.extend(self._split(item))
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def _split(self, item: WriteItem) -> list[WriteItem]:
+        data = item.tensor_data
+        if item.type == WriteItemType.BYTE_IO or data is None or len(data.chunk.sizes) == 0:
+            return [item]
+        sizes = list(data.chunk.sizes)
+        row_bytes = math.prod(sizes[1:]) * data.properties.dtype.itemsize
+        if sizes[0] <= 1 or row_bytes == 0 or sizes[0] * row_bytes <= self.block_bytes:
+            return [item]
+        rows = max(1, self.block_bytes // row_bytes)
+        out = []
+        for first in range(0, sizes[0], rows):
+            n = min(rows, sizes[0] - first)
+            offsets = torch.Size([data.chunk.offsets[0] + first, *data.chunk.offsets[1:]])
+            block_sizes = torch.Size([n, *sizes[1:]])
+            index = MetadataIndex(item.index.fqn, offsets)
+            self._blocks[index] = (item.index, first, n)
+            out.append(
+                WriteItem(
+                    index=index,
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=block_sizes),
+                        properties=data.properties,
+                        size=data.size,
+                    ),
+                )
+            )
+        return out
+
+    def block_of(self, index: MetadataIndex) -> tuple[MetadataIndex, int, int] | None:
+        """For a row block this planner cut: (the whole tensor's index, first row, rows);
+        None for an item it left whole."""
+        return self._blocks.get(index)
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        block = self._blocks.get(write_item.index)
+        if block is None:
+            return super().resolve_data(write_item)
+        whole_index, first, n = block
+        tensor = self.lookup_object(whole_index)
+        return self.transform_object(write_item, tensor.narrow(0, first, n))
+
+
+class ShardWriter(StorageWriter):
+    """Writes one shard file per rank plus (coordinator) ``.metadata`` into ``ckpt_dir``.
+
+    After ``dcp.save`` returns, ``records`` holds the files this rank wrote,
+    ``chunks`` the ``[offset, length, crc32c]`` of every item in them and ``non_finite``
+    the keys of the floating tensors that held a NaN or an infinity (:mod:`ckpt.save.finite`).
+    """
+
+    def __init__(self, ckpt_dir: Storage) -> None:
+        super().__init__()
+        self.ckpt_dir = ckpt_dir
+        self.save_id = uuid.uuid4().hex
+        self.records: list[FileRecord] = []
+        self.chunks: dict[str, list[list[Any]]] = {}
+        self.non_finite: list[str] = []
+        self.is_coordinator = False
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.records = []
+        self.chunks = {}
+        self.non_finite = []
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The index of a plan is the rank of its writer in the process group.
+        return [
+            dataclasses.replace(plan, storage_data=shard_filename(i))
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        filename = str(plan.storage_data)
+        # Small byte items first, then tensors: the order DCP's own writer uses.
+        items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        results: list[WriteResult] = []
+        chunks: list[list[Any]] = []
+        non_finite: list[str] = []
+
+        def produce(stream: ChecksummingWriter) -> None:
+            results.clear()
+            chunks.clear()
+            non_finite.clear()
+            with zip_crc32_off():  # in the thread that serializes (storage runs one per call)
+                _produce_items(stream)
+
+        def _produce_items(stream: ChecksummingWriter) -> None:
+            for item in items:
+                stream.start_segment()
+                if not _write_item(stream, item, planner.resolve_data(item)):
+                    non_finite.append(item.index.fqn)
+                offset, length, crc = stream.segment()
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=length,
+                        storage_data=_StorageInfo(
+                            relative_path=filename, offset=offset, length=length
+                        ),
+                    )
+                )
+                chunks.append([offset, length, crc])
+
+        if items:
+            self.records.append(self.ckpt_dir.write(filename, produce, phase="shard"))
+            self.chunks[filename] = list(chunks)
+            self.non_finite.extend(k for k in non_finite if k not in self.non_finite)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(list(results))
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        metadata.storage_meta = self.storage_meta()
+        record = self.ckpt_dir.write(
+            DCP_METADATA_NAME, lambda stream: pickle.dump(metadata, stream), phase="metadata"
+        )
+        self.records.append(record)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.ckpt_dir.root_url, save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def zip_crc32_off() -> Iterator[None]:
+    """Have ``torch.save`` skip the zip records' crc32 in this thread, for the block.
+
+    ``torch.save`` computes a (slow, single-threaded) crc32 of every tensor's bytes
+    for the zip format; measured here that is most of its time (~2.7 GB/s with it,
+    hundreds of GB/s without). Our items carry crc32c, verified on every read, and
+    ``torch.load`` does not check the zip crc32, so the files stay readable by plain
+    ``dcp.load``. torch keeps this setting per thread, so the application's own
+    ``torch.save`` calls in other threads are not affected.
+    """
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
+SMALL_ITEM_BYTES = 1 << 20
+"""Tensors up to this size are serialized in memory and written to the stream at once.
+
+``torch.save`` writes a tensor as ~35 small pieces (zip records and headers); streamed
+one by one, each went through the checksumming writer and the file object: with 50,000
+tensors of a few KB on 2 ranks that was 1.75 million writes on rank 0, a third of the
+shard's write time (bench ``curves``, BENCHMARKS.md). The copy into memory costs little
+next to that for tensors this small."""
+
+
+def _write_item(stream: ChecksummingWriter, item: WriteItem, data: Any) -> bool:
+    """Write one item; whether its values are all finite (always true for non-tensors)."""
+    if item.type == WriteItemType.BYTE_IO:
+        stream.write(data.getbuffer())  # the view keeps its BytesIO alive
+        return True
+    tensor: torch.Tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    tensor = own_storage(tensor)
+    if tensor.numel() * tensor.element_size() <= SMALL_ITEM_BYTES:
+        buffer = io.BytesIO()
+        torch.save(tensor, buffer)
+        stream.write(buffer.getbuffer())  # the view keeps its BytesIO alive
+        return not finite.scannable(tensor) or finite.is_finite(tensor)
+    keep_alive = getattr(stream, "keep_alive", None)
+    if keep_alive is not None:  # gs:// sends the storage's bytes later, without a copy
+        keep_alive(tensor)
+    if not finite.scannable(tensor):
+        torch.save(tensor, stream)
+        return True
+    watch = finite.ValueWatch(tensor)
+    stream.watch(watch)  # the raw bytes are looked at as they are checksummed
+    try:
+        torch.save(tensor, stream)
+    finally:
+        stream.watch(None)
+    return watch.finite()
+
+
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on a storage holding exactly its bytes (what ``torch.save`` writes).
+
+    ``torch.save`` writes a tensor's whole storage: a view into a larger buffer (a
+    row block of a shard, an FSDP2 shard inside its padded storage) would drag the
+    rest of that buffer along. A contiguous view gets a storage *slice* (same
+    memory, no copy); anything else is cloned.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == nbytes:
+        return tensor
+    if not tensor.is_contiguous():
+        return tensor.clone()
+    start = tensor.storage_offset() * tensor.element_size()
+    exact = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return exact.set_(storage[start : start + nbytes], 0, tensor.size(), tensor.stride())

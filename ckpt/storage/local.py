@@ -1,0 +1,290 @@
+"""The local filesystem backend: plain paths and ``file://``.
+
+What a local disk gives that object stores do not, and what it needs:
+
+- Durability: each file is fsynced before close, and a directory after new entries
+  (:meth:`LocalBackend.sync_dir`), unless ``StorageOptions.fsync`` is off.
+- Writes in pieces with early writeback (:class:`LocalSink`).
+- A full disk is a :class:`~ckpt.errors.StorageFullError` saying how much is free,
+  with the partial file removed (:func:`is_disk_full`).
+- Links: listings come from ``lstat``; a symbolic link is reported as
+  :data:`~ckpt.storage.base.LINK` and never followed (it may point outside the root),
+  anything not a file or directory as :data:`~ckpt.storage.base.OTHER`.
+- A move is one ``rename`` (atomic).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import stat
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from fsspec.implementations.local import LocalFileSystem
+
+from ckpt.errors import StorageFullError
+from ckpt.format.checksum import ChecksummingWriter
+from ckpt.storage.base import DIR, FILE, LINK, OTHER, Calls, Produce
+from ckpt.storage.fsspec_generic import FsspecBackend
+
+WRITE_BEHIND_BYTES = 16 << 20
+"""Local writes ask the kernel to start writing back every this many bytes (Linux)."""
+WRITE_PIECE_BYTES = 1 << 20
+"""Local writes pass big buffers to the file in slices of this size."""
+
+_DISK_FULL_ERRNO = frozenset({errno.ENOSPC, errno.EDQUOT})
+_TORCH_WRITE_FAILED = "inline_container"
+"""``torch.save`` into a full file raises ``RuntimeError: [enforce fail at
+inline_container.cc:NNN] . unexpected pos ...``: the ENOSPC is only its context."""
+
+
+def is_disk_full(exc: BaseException, path: str | None = None) -> bool:
+    """Whether ``exc`` (or an error it was raised from) means the disk or quota is full.
+
+    ENOSPC/EDQUOT anywhere in the chain; or torch's zip writer failing
+    (``inline_container``) while the filesystem of ``path`` has less than one write
+    piece free, for when the OSError itself was swallowed.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNO:
+            return True
+        current = current.__cause__ or current.__context__
+    if path is None or not isinstance(exc, RuntimeError) or _TORCH_WRITE_FAILED not in str(exc):
+        return False
+    try:
+        return shutil.disk_usage(os.path.dirname(path) or ".").free < WRITE_PIECE_BYTES
+    except OSError:
+        return False
+
+
+class LocalBackend(FsspecBackend):
+    """A :class:`~ckpt.storage.base.Backend` for a local directory tree."""
+
+    def __init__(self, fs: LocalFileSystem, options: Any) -> None:
+        super().__init__(fs, options)
+        self.scheme = "file"
+        self.has_dirs = True
+
+    def url(self, path: str) -> str:
+        return path
+
+    # -- writes -------------------------------------------------------------------------
+
+    def write(self, path: str, produce: Produce, calls: Calls, *, phase: str) -> tuple[int, str]:
+        fsync = self.options.fsync
+
+        def write_once() -> tuple[int, str]:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with self.fs.open(path, "wb") as raw:
+                    sink = LocalSink(calls.stream(raw), raw, write_behind=fsync)
+                    stream = ChecksummingWriter(sink)
+                    produce(stream)
+                    raw.flush()
+                    if fsync:
+                        _fsync(raw)
+            except Exception as exc:
+                if is_disk_full(exc, path):
+                    raise self._disk_full(path, exc) from exc
+                raise
+            self.check_written(path, stream.size, stream.crc32c)
+            return stream.size, stream.crc32c
+
+        return calls.call(f"write {path}", phase, write_once)
+
+    def _disk_full(self, path: str, exc: BaseException) -> StorageFullError:
+        """The partial file removed (its space comes back), and the error that says why."""
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        try:
+            usage = shutil.disk_usage(os.path.dirname(path))
+            space = f"{usage.free} of {usage.total} bytes free there now"
+        except OSError:
+            space = "free space unknown"
+        return StorageFullError(
+            f"no space left on device under {os.path.dirname(path)}: writing {path} failed "
+            f"({type(exc).__name__}: {exc}; {space}). Free space on that filesystem, keep "
+            "fewer checkpoints, or use a root with room for at least two checkpoints."
+        )
+
+    def sync_dir(self, path: str) -> None:
+        if self.options.fsync:
+            fsync_dir(path)
+
+    # -- listings (lstat: links never followed) ---------------------------------------------
+
+    def list_dir(self, path: str) -> list[tuple[str, str]]:
+        """The type comes from the directory (``d_type``), not a stat per entry as
+        fsspec's ``ls(detail=True)`` does, so a root of 1,000 checkpoints lists as fast as
+        one of 10 (bench ``curves``)."""
+        try:
+            with os.scandir(path) as it:
+                return [(entry.name, _entry_kind(entry)) for entry in it]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def list_files(self, path: str) -> dict[str, dict[str, Any]]:
+        path = path.rstrip("/")
+        out: dict[str, dict[str, Any]] = {}
+        pending = [""]
+        while pending:
+            rel = pending.pop()
+            try:
+                with os.scandir(os.path.join(path, rel) if rel else path) as it:
+                    entries = list(it)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                name = f"{rel}/{entry.name}" if rel else entry.name
+                kind = _kind(st.st_mode)
+                if kind == DIR:
+                    pending.append(name)
+                    continue
+                out[name] = {"name": os.path.join(path, name), "size": st.st_size, "type": kind}
+        return out
+
+    def kind(self, path: str) -> str | None:
+        try:
+            return _kind(os.lstat(path).st_mode)
+        except OSError:
+            return None
+
+    def check_reachable(self, path: str, calls: Calls) -> str | None:
+        parent = path
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent.rstrip("/"))
+        if parent and not os.path.isdir(parent):
+            return (
+                f"{parent} is a file, so the checkpoint root cannot be created there; "
+                "choose another directory"
+            )
+        return None
+
+    def move_tree(self, src: str, dst: str, calls: Calls) -> None:
+        calls.call(f"rename {src} -> {dst}", "any", lambda: os.rename(src, dst))
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so that new entries in it survive a power loss (best effort: a
+    filesystem that cannot is left as it is)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return DIR
+    if stat.S_ISREG(mode):
+        return FILE
+    return LINK if stat.S_ISLNK(mode) else OTHER
+
+
+def _entry_kind(entry: os.DirEntry[str]) -> str:
+    """What a directory entry is, from the directory itself (``d_type``; a stat only where
+    the filesystem does not say), never following a link."""
+    if entry.is_symlink():
+        return LINK
+    if entry.is_dir(follow_symlinks=False):
+        return DIR
+    return FILE if entry.is_file(follow_symlinks=False) else OTHER
+
+
+def _load_sync_file_range() -> Callable[[int, int, int], int] | None:
+    """``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)`` from libc, or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    write_flag = 2  # SYNC_FILE_RANGE_WRITE: start writeback, do not wait for it
+    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, write_flag)
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+class LocalSink:
+    """How shard bytes go to a local file: in pieces, with early writeback.
+
+    - Pieces: one ``write`` of a 64 MB tensor at once took 0.15 s usually but now
+      and then 0.4-2 s here (the same bytes written 1 MiB at a time never did), so
+      big buffers are passed on in ``WRITE_PIECE_BYTES`` slices (no copy).
+    - Writeback: without it every byte of a shard sits dirty in the page cache until
+      the final ``fsync``, which then waits for all of it (write, then flush, in
+      series). Asking the kernel to start writing back each ``WRITE_BEHIND_BYTES``
+      range right away (Linux ``sync_file_range`` with ``SYNC_FILE_RANGE_WRITE``,
+      which does not wait) overlaps the disk with the serialization of the next
+      items, so the closing ``fsync`` (still called, and still what makes the file
+      durable) finds little left to do: 0.23 s -> 0.015 s for a 512 MB shard here.
+    """
+
+    def __init__(self, sink: Any, raw: Any, *, write_behind: bool) -> None:
+        self._sink = sink
+        self._raw = raw
+        self._fd = _fileno(raw) if write_behind and _sync_file_range is not None else None
+        self._started = 0  # bytes whose writeback was requested
+        self._written = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        for offset in range(0, n, WRITE_PIECE_BYTES):
+            self._sink.write(view[offset : offset + WRITE_PIECE_BYTES])
+        self._written += n
+        if self._fd is not None and self._written - self._started >= WRITE_BEHIND_BYTES:
+            self._raw.flush()  # buffered bytes must reach the file before writeback
+            assert _sync_file_range is not None
+            if _sync_file_range(self._fd, self._started, self._written - self._started) == 0:
+                self._started = self._written
+        return n
+
+    def flush(self) -> None:
+        self._sink.flush()
+
+
+def _fileno(handle: Any) -> int | None:
+    for obj in (handle, getattr(handle, "f", None)):
+        fileno = getattr(obj, "fileno", None)
+        if fileno is None:
+            continue
+        try:
+            return int(fileno())
+        except Exception:  # io.UnsupportedOperation and friends
+            continue
+    return None
+
+
+def _fsync(handle: Any) -> None:
+    for obj in (handle, getattr(handle, "f", None)):
+        fileno = getattr(obj, "fileno", None)
+        if fileno is None:
+            continue
+        try:
+            os.fsync(fileno())
+            return
+        except (OSError, ValueError, AttributeError, NotImplementedError):
+            continue
+        except Exception:  # io.UnsupportedOperation and friends
+            continue
