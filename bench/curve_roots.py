@@ -218,7 +218,7 @@ def _ops(root: str, n: int) -> dict[str, Callable[[], Any]]:
 
 
 def _checked(root: str, n: int) -> None:
-    from ckpt.load.discovery import list_checkpoints
+    from ckpt.loading.discovery import list_checkpoints
 
     committed = [i.step for i in list_checkpoints(root) if i.committed]
     if committed[::-1] != root_steps(n):

@@ -64,7 +64,7 @@ def save_phases() -> dict[str, list[tuple[Any, str]]]:
     from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
     from ckpt.dist import Collective
-    from ckpt.save.writer import BlockSavePlanner, ShardWriter
+    from ckpt.saving.writer import BlockSavePlanner, ShardWriter
 
     return {
         "local_plan": [

@@ -68,13 +68,13 @@ from ckpt.errors import (
 from ckpt.interop.export import ExportResult, export
 from ckpt.interop.pretrained import PretrainedLoad, load_pretrained
 from ckpt.lifecycle.retention import RetentionPolicy
-from ckpt.load.discovery import CheckpointInfo, find_latest_committed, list_checkpoints
-from ckpt.load.restore import LoadResult, load
-from ckpt.load.verify import VerifyReport, verify_dir
+from ckpt.loading.discovery import CheckpointInfo, find_latest_committed, list_checkpoints
+from ckpt.loading.restore import LoadResult, load
+from ckpt.loading.verify import VerifyReport, verify_dir
 from ckpt.manager import CheckpointManager, ResumeInfo
 from ckpt.options import CheckpointOptions
-from ckpt.save.async_save import PendingSave, close, wait_pending
-from ckpt.save.commit import save
+from ckpt.saving.async_save import PendingSave, close, wait_pending
+from ckpt.saving.commit import save
 from ckpt.state.per_rank import PerRank
 from ckpt.storage import StorageOptions
 

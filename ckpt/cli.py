@@ -27,9 +27,9 @@ from ckpt.lifecycle.lease import read_lease
 from ckpt.lifecycle.quarantine import parse_quarantined_dirname, record_matches
 from ckpt.lifecycle.quarantine import read_record as read_quarantine_record
 from ckpt.lifecycle.retention import RetentionPolicy, apply_retention
-from ckpt.load.discovery import FOREIGN, PARTIAL, QUARANTINED, RENAMED, Catalog, resolve
-from ckpt.load.reader import ShardReader
-from ckpt.load.verify import (
+from ckpt.loading.discovery import FOREIGN, PARTIAL, QUARANTINED, RENAMED, Catalog, resolve
+from ckpt.loading.reader import ShardReader
+from ckpt.loading.verify import (
     MODE_CHECKSUM,
     MODE_DEEP,
     MODE_FAST,

@@ -5,7 +5,7 @@ group; the thin module functions (``ckpt.save``, ``ckpt.load``, ``ckpt.close``,
 ``ckpt.wait_pending``) have no owner, so they share one :class:`ProcessDefaults`,
 created on first use (never at import). It holds the checkpoint gloo group cached per
 default process group and the objects the modules that own their types make on first
-use: the async saver (``ckpt.save.async_save.default_saver``; its at-exit drain is
+use: the async saver (``ckpt.saving.async_save.default_saver``; its at-exit drain is
 registered by the first async save), the storage fault registry
 (``ckpt.storage.faults.default_registry``; ``CKPT_STORAGE_FAULTS`` is read when it is made)
 and the S3 clients (``ckpt.storage.s3``). Nothing else in ``ckpt`` keeps mutable

@@ -17,10 +17,10 @@ scheduler(s), and calls it at three places::
 The manager holds an ordered list of tiers (:mod:`ckpt.tiers`; by default the memory
 tier when it is on, then the durable root: :mod:`ckpt.tiers.defaults`) and knows none of
 them by name: at each step it offers the step to every tier whose save-decision policy
-says it is due (:mod:`ckpt.save.policy`), a resume walks the tiers' candidates in order
-(:mod:`ckpt.load.resume`), and :meth:`close` closes them. The mechanisms are their own
+says it is due (:mod:`ckpt.saving.policy`), a resume walks the tiers' candidates in order
+(:mod:`ckpt.loading.resume`), and :meth:`close` closes them. The mechanisms are their own
 modules: :mod:`ckpt.options` (every setting, validated), :mod:`ckpt.state.capture` (what a
-save holds), :mod:`ckpt.save.saves` (running durable saves, the one in flight, the failure
+save holds), :mod:`ckpt.saving.saves` (running durable saves, the one in flight, the failure
 count), :mod:`ckpt.lifecycle.root_check` and :mod:`ckpt.lifecycle.lease` (the root).
 
 Every method that touches checkpoints is a collective: every rank calls it, in the
@@ -44,10 +44,10 @@ from ckpt.lifecycle import root_check as _root_check
 from ckpt.lifecycle.lease import JobIdentity, RootLease, take_lease
 from ckpt.lifecycle.retention import RetentionPolicy
 from ckpt.lifecycle.retention import describe as describe_retention
-from ckpt.load.discovery import Catalog
-from ckpt.load.resume import ResumeInfo, ResumeWalk
+from ckpt.loading.discovery import Catalog
+from ckpt.loading.resume import ResumeInfo, ResumeWalk
 from ckpt.options import CheckpointOptions
-from ckpt.save.saves import DurableSaves, SaveFailures, expected_save_s
+from ckpt.saving.saves import DurableSaves, SaveFailures, expected_save_s
 from ckpt.state.app_state import AppState
 from ckpt.state.capture import StateCapture
 from ckpt.storage import Storage, StorageOptions

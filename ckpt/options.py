@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from ckpt.env import MAX_LEASE_TTL_S
 from ckpt.lifecycle.retention import DEFAULT_RETENTION, RetentionPolicy
-from ckpt.save import finite
+from ckpt.saving import finite
 
 PARAM_GROUPS = ("checkpoint", "constructed")
 """``param_groups``: whose optimizer settings a resume keeps."""

@@ -66,10 +66,10 @@ _FALLBACK_FIELDS = ("url", "path", "reason")
 _QUARANTINE_FIELDS = ("url", "kept_at", "path", "reason")
 
 _TYPES = (
-    EventType(CKPT_SAVED, _SAVED_FIELDS, "ckpt.save.commit", "a checkpoint committed"),
-    EventType(CKPT_LOADED, _LOADED_FIELDS, "ckpt.load.restore", "a checkpoint loaded"),
-    EventType(CKPT_FALLBACK, _FALLBACK_FIELDS, "ckpt.load.restore", "a checkpoint skipped on load"),
-    EventType(CKPT_QUARANTINED, _QUARANTINE_FIELDS, "ckpt.load.restore", "a checkpoint set aside"),
+    EventType(CKPT_SAVED, _SAVED_FIELDS, "ckpt.saving.commit", "a checkpoint committed"),
+    EventType(CKPT_LOADED, _LOADED_FIELDS, "ckpt.loading.restore", "a checkpoint loaded"),
+    EventType(CKPT_FALLBACK, _FALLBACK_FIELDS, "ckpt.loading.restore", "a checkpoint skipped on load"),
+    EventType(CKPT_QUARANTINED, _QUARANTINE_FIELDS, "ckpt.loading.restore", "a checkpoint set aside"),
     EventType(CHECKPOINT_SAVED, _SAVED_FIELDS, "ckpt.manager", "ckpt_saved in the run log"),
     EventType(CHECKPOINT_LOADED, _LOADED_FIELDS, "ckpt.manager", "ckpt_loaded in the run log"),
     EventType(FALLBACK, _FALLBACK_FIELDS, "ckpt.manager", "ckpt_fallback in the run log"),

@@ -48,7 +48,7 @@ def blank_state() -> dict:
 
 
 def clone_state(state: dict) -> dict:
-    return ckpt.save.async_save.stage_state(state)
+    return ckpt.saving.async_save.stage_state(state)
 
 
 def has_complete(root: str, step: int) -> bool:
@@ -97,14 +97,14 @@ def test_async_save_returns_after_staging_and_commits_the_staged_values(memory_r
 
 def test_staging_reuses_buffers_of_the_same_shape():
     state = make_state(1)
-    first = ckpt.save.async_save.stage_state(state)
+    first = ckpt.saving.async_save.stage_state(state)
     assert first["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()
     state["model"]["w"].add_(1.0)
-    second = ckpt.save.async_save.stage_state(state, reuse=first)
+    second = ckpt.saving.async_save.stage_state(state, reuse=first)
     assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()
     assert torch.equal(second["model"]["w"], state["model"]["w"])
     state["model"]["w"] = torch.zeros(3)  # new shape: a new buffer
-    third = ckpt.save.async_save.stage_state(state, reuse=second)
+    third = ckpt.saving.async_save.stage_state(state, reuse=second)
     assert third["model"]["w"].shape == (3,)
 
 
@@ -226,13 +226,13 @@ def test_two_ranks_train_while_the_previous_step_uploads(tmp_root):
 
 
 def _slow_copies(monkeypatch, delay_s: float) -> None:
-    real = ckpt.save.async_save._run_copies
+    real = ckpt.saving.async_save._run_copies
 
     def slow(copies):
         time.sleep(delay_s)  # the background copy starts late: the race is real
         real(copies)
 
-    monkeypatch.setattr(ckpt.save.async_save, "_run_copies", slow)
+    monkeypatch.setattr(ckpt.saving.async_save, "_run_copies", slow)
 
 
 def test_overlap_staging_gates_the_optimizer_step_until_copied(memory_root, monkeypatch):

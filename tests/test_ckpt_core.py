@@ -8,6 +8,8 @@ import itertools
 import json
 import os
 import pickle
+import subprocess
+import sys
 
 import fsspec
 import google_crc32c
@@ -273,7 +275,7 @@ def test_relaunch_under_the_same_run_id_is_not_fenced(any_root, monkeypatch):
     # launch's commits predate its processes, so they do not fence it.
     import time
 
-    from ckpt.save import commit
+    from ckpt.saving import commit
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
     ckpt.save(make_state(1), any_root, 10)
@@ -460,7 +462,7 @@ def test_large_tensors_are_saved_as_row_blocks_that_plain_dcp_reads(tmp_path, mo
 
 
 def test_row_block_views_share_memory_instead_of_copying():
-    from ckpt.save.writer import own_storage
+    from ckpt.saving.writer import own_storage
 
     base = torch.arange(100.0).reshape(20, 5)
     block = base.narrow(0, 4, 6)
@@ -471,3 +473,25 @@ def test_row_block_views_share_memory_instead_of_copying():
     buf = io.BytesIO()
     torch.save(exact, buf)
     assert torch.load(io.BytesIO(buf.getvalue())).untyped_storage().nbytes() == 120
+
+
+def test_the_public_functions_survive_importing_every_room_of_the_package():
+    # a subpackage named like a public function would replace it on the package once
+    # imported (``import ckpt.save.x`` sets ``ckpt.save``): rooms never take those names
+    code = (
+        "import importlib, pkgutil, ckpt\n"
+        "names = [m.name for m in pkgutil.walk_packages(ckpt.__path__, 'ckpt.')]\n"
+        "names.remove('ckpt.__main__')  # the CLI: it runs on import\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "import ckpt.saving.commit as commit, ckpt.loading.restore as restore\n"
+        "bad = [n for n in ckpt.__all__ if type(getattr(ckpt, n)).__name__ == 'module']\n"
+        "assert not bad, bad\n"
+        "assert all(callable(getattr(ckpt, n)) for n in ('save', 'load', 'export'))\n"
+        "print(len(names))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) > 40  # every module was imported

@@ -223,7 +223,7 @@ def test_row_blocks_let_a_resharding_load_skip_what_it_does_not_need(tmp_path, m
 
 
 def test_bad_block_size_setting_is_a_clear_error(monkeypatch):
-    from ckpt.save.writer import save_block_bytes
+    from ckpt.saving.writer import save_block_bytes
 
     monkeypatch.setenv("CKPT_SAVE_BLOCK_BYTES", "lots")
     with pytest.raises(ValueError, match="CKPT_SAVE_BLOCK_BYTES='lots'"):

@@ -31,7 +31,7 @@ from ckpt.interop.export import (
     row_blocks,
     shard_names,
 )
-from ckpt.load.reader import load_metadata
+from ckpt.loading.reader import load_metadata
 from testing.spawn import run_ok
 
 pytestmark = pytest.mark.timeout(180)

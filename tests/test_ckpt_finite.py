@@ -17,9 +17,9 @@ import torch
 
 import ckpt
 from ckpt import cli
-from ckpt.load.discovery import list_checkpoints
-from ckpt.save import finite
-from ckpt.save.writer import SMALL_ITEM_BYTES
+from ckpt.loading.discovery import list_checkpoints
+from ckpt.saving import finite
+from ckpt.saving.writer import SMALL_ITEM_BYTES
 from testing.spawn import run_ok
 
 pytestmark = pytest.mark.timeout(300)

@@ -27,7 +27,7 @@ from ckpt import cli, env
 from ckpt.format.layout import is_lease_name
 from ckpt.lifecycle import lease, ownership
 from ckpt.lifecycle.retention import apply_retention
-from ckpt.load.discovery import list_checkpoints
+from ckpt.loading.discovery import list_checkpoints
 from ckpt.storage import Storage, lease_store
 from testing import mounts
 

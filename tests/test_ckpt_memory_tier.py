@@ -18,7 +18,7 @@ import torch
 
 import ckpt
 import elastic
-from ckpt.load import reader as reader_mod
+from ckpt.loading import reader as reader_mod
 from testing.spawn import run_ok
 
 pytestmark = pytest.mark.timeout(300)
@@ -169,7 +169,7 @@ def _rank1_weight(slot_dir: str) -> tuple[str, int, int, int]:
     """Rank 1's shard of model.0.weight in a slot: (file, item offset, item length, offset
     of the item's values in the file)."""
     from ckpt.format.tensorblob import data_layout
-    from ckpt.load.reader import load_metadata
+    from ckpt.loading.reader import load_metadata
 
     with open(os.path.join(slot_dir, ".metadata"), "rb") as f:
         storage = load_metadata(f.read()).storage_data
@@ -519,7 +519,7 @@ def test_memory_every_is_validated():
 def test_only_items_loaded_whole_into_their_own_memory_are_received_in_place(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from ckpt.load.reader import load_metadata
+    from ckpt.loading.reader import load_metadata
     from ckpt.tiers.memory.restore import _plan_reads
 
     saved = {"a": torch.randn(4, 3), "b": torch.randn(4, 3), "n": 5}
@@ -551,7 +551,7 @@ def _scattered_load(tmp_path, monkeypatch, *, into_target: bool, flip: bool = Fa
     buffer of their own; returns the target and the items the loader decoded."""
     from ckpt.format.layout import checkpoint_dirname
     from ckpt.format.tensorblob import data_layout
-    from ckpt.load.reader import load_metadata
+    from ckpt.loading.reader import load_metadata
     from ckpt.tiers.memory import fs as memory_fs
 
     saved = {"w": torch.randn(16, 8), "n": 3}

@@ -11,7 +11,7 @@ import torch
 import ckpt
 from ckpt.lifecycle.retention import DEFAULT_RETENTION, RetentionPolicy
 from ckpt.options import CheckpointOptions
-from ckpt.save.policy import EveryNSteps, SaveDecisionPolicy
+from ckpt.saving.policy import EveryNSteps, SaveDecisionPolicy
 
 pytestmark = pytest.mark.timeout(60)
 

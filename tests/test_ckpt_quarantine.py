@@ -35,8 +35,8 @@ from ckpt.lifecycle.quarantine import (
     should_quarantine,
 )
 from ckpt.lifecycle.retention import RetentionPolicy, apply_retention
-from ckpt.load.discovery import QUARANTINED, list_checkpoints
-from ckpt.load.reader import ShardReader
+from ckpt.loading.discovery import QUARANTINED, list_checkpoints
+from ckpt.loading.reader import ShardReader
 from ckpt.storage import Storage
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,7 +9,7 @@ import torch
 
 import ckpt
 from ckpt.format.tensorblob import data_layout, view_tensor
-from ckpt.load import reader as reader_mod
+from ckpt.loading import reader as reader_mod
 
 
 def saved(obj) -> bytes:

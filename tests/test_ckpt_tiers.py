@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.save.policy import EveryNSteps
+from ckpt.saving.policy import EveryNSteps
 from ckpt.tiers import Candidate, ResumeScope, SaveRequest, TierContext, manager_record
 from ckpt.tiers.defaults import DEFAULT_TIERS
 from ckpt.tiers.durable import build_durable_tier

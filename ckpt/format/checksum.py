@@ -115,7 +115,7 @@ class ChecksummingWriter:
     def watch(self, values: Any) -> None:
         """Hand the write that ``values.matches`` to ``values.look`` piece by piece (None: off).
 
-        ``values`` is a :class:`ckpt.save.finite.ValueWatch`: that write is written, checksummed
+        ``values`` is a :class:`ckpt.saving.finite.ValueWatch`: that write is written, checksummed
         and looked at one ``values.piece_bytes`` piece at a time, so its values are read
         while the piece is in the CPU cache, not in a second pass over memory.
         """

@@ -78,9 +78,9 @@ from ckpt.format.manifest import Manifest
 from ckpt.format.tensorblob import view_tensor
 from ckpt.interop.hf import CONFIG_FILE, pretrained_files
 from ckpt.lifecycle.quarantine import parse_quarantined_dirname
-from ckpt.load.discovery import COMMITTED, resolve
-from ckpt.load.reader import ShardReader
-from ckpt.load.verify import MODE_FAST, VerifyReport, verify_dir
+from ckpt.loading.discovery import COMMITTED, resolve
+from ckpt.loading.reader import ShardReader
+from ckpt.loading.verify import MODE_FAST, VerifyReport, verify_dir
 from ckpt.storage import Storage, crc32c_of_object
 from ckpt.storage.local import LocalSink
 from ckpt.tiers import manager_record

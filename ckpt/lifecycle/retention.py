@@ -39,7 +39,7 @@ from ckpt.lifecycle import ownership
 from ckpt.storage import Storage
 
 if TYPE_CHECKING:
-    from ckpt.load.discovery import Catalog, CheckpointInfo
+    from ckpt.loading.discovery import Catalog, CheckpointInfo
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def apply_retention(
     ``said``: URLs already reported as left alone (each is said at WARNING once).
     ``catalog``: the root's listing when the caller already made one (``gc``).
     """
-    from ckpt.load.discovery import PARTIAL, RENAMED, Catalog
+    from ckpt.loading.discovery import PARTIAL, RENAMED, Catalog
 
     if catalog is None:
         catalog = Catalog(root if isinstance(root, Storage) else Storage(root))

@@ -4,13 +4,13 @@ A :class:`~ckpt.manager.CheckpointManager` holds an ordered list of :class:`Tier
 objects (the default: the memory tier when ``memory_every`` is on, then the durable
 root) and knows none of them by name. Each tier has both halves:
 
-- save: its :class:`~ckpt.save.policy.SaveDecisionPolicy` says whether a step is due,
+- save: its :class:`~ckpt.saving.policy.SaveDecisionPolicy` says whether a step is due,
   :meth:`Tier.save` saves it. ``maybe_save`` offers a step to every tier in order,
   with one :class:`SaveRequest` that captures the state once for all of them.
 - load: :meth:`CheckpointManager.resume <ckpt.manager.CheckpointManager.resume>` walks
-  the tiers in order (:mod:`ckpt.load.resume`) and, per tier, its candidates newest first.
+  the tiers in order (:mod:`ckpt.loading.resume`) and, per tier, its candidates newest first.
   A tier says which candidates it has and loads one into a state template with the
-  normal verified load (``ckpt.load.restore.load``); the walk does everything else once, for
+  normal verified load (``ckpt.loading.restore.load``); the walk does everything else once, for
   every tier: the shape check, fresh optimizers, the RNG decision, per-rank layout,
   pushing the state into the objects, events and logs. ``strict`` tiers (durable)
   raise on a candidate that does not fit; others note why and let the next candidate,
@@ -31,11 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckpt.load.discovery import Catalog
-from ckpt.load.restore import LoadResult
+from ckpt.loading.discovery import Catalog
+from ckpt.loading.restore import LoadResult
 from ckpt.options import CheckpointOptions
-from ckpt.save.policy import SaveDecisionPolicy
-from ckpt.save.saves import DurableSaves
+from ckpt.saving.policy import SaveDecisionPolicy
+from ckpt.saving.saves import DurableSaves
 from ckpt.state.capture import MANAGER_META_KEY, Captured, StateCapture
 
 Emit = Callable[..., None]

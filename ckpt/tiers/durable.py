@@ -1,6 +1,6 @@
 """The durable root as a :class:`ckpt.tiers.Tier`: the commit of record.
 
-It saves with the manager's :class:`~ckpt.save.saves.DurableSaves` (the same engine as the
+It saves with the manager's :class:`~ckpt.saving.saves.DurableSaves` (the same engine as the
 manager's explicit ``save`` and ``emergency_save``) on its ``every`` policy, and applies
 the failure stop after each save: ``max_failures`` in a row, or a ``final`` save that did
 not commit, raise :class:`~ckpt.errors.TooManySaveFailuresError` on every rank at the same
@@ -14,10 +14,10 @@ import logging
 from typing import Any
 
 from ckpt.errors import StateMismatchError
-from ckpt.load.restore import LoadResult
-from ckpt.load.restore import load as _load
-from ckpt.save.policy import EveryNSteps, SaveDecisionPolicy
-from ckpt.save.saves import DurableSaves
+from ckpt.loading.restore import LoadResult
+from ckpt.loading.restore import load as _load
+from ckpt.saving.policy import EveryNSteps, SaveDecisionPolicy
+from ckpt.saving.saves import DurableSaves
 from ckpt.state.rng import RNG_STATE_KEY
 from ckpt.tiers import Candidate, ResumeScope, SaveRequest, TierContext
 

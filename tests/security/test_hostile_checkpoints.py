@@ -453,7 +453,7 @@ def test_numpy_values_are_saved_exactly_and_load_back_as_numpy(tmp_path):
 
 def test_a_value_that_fails_to_decode_quarantines_its_checkpoint(tmp_path, monkeypatch):
     """An item that does not decode (a gadget in a byte item) is damage: set aside, not a loop."""
-    import ckpt.save.commit as commit_module
+    import ckpt.saving.commit as commit_module
 
     root = str(tmp_path / "root")
     canary = str(tmp_path / "CANARY")

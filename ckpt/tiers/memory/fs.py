@@ -32,7 +32,7 @@ import fsspec
 import torch
 from fsspec import AbstractFileSystem
 
-from ckpt.load.reader import Scattered
+from ckpt.loading.reader import Scattered
 from ckpt.tiers.memory.layout import open_private
 
 PROTOCOL = "ckptmem"
@@ -166,7 +166,7 @@ class LocalFile(SnapshotFile):
     destination bytes)``; ``placed``: item offset -> ``(offset, bytes)`` of those values,
     as :class:`PiecesFile` has them): those are copied from the map straight into the
     destination when the loader first reads them, and a read across them returns a
-    :class:`~ckpt.load.reader.Scattered` of map views and destinations, which the loader
+    :class:`~ckpt.loading.reader.Scattered` of map views and destinations, which the loader
     checks (in the destination, after the copy) and uses in place: one copy, no buffer.
 
     Why a copy from the map and not a ``read``: measured here (256 MB, one process, pages
@@ -222,7 +222,7 @@ class PiecesFile(SnapshotFile):
     A range may arrive as consecutive pieces, some of them a tensor item's values
     received straight into their destination (``placed``: item offset -> ``(offset,
     bytes)`` of those values); a read across pieces returns a
-    :class:`~ckpt.load.reader.Scattered` of them, which the loader checks and uses in place.
+    :class:`~ckpt.loading.reader.Scattered` of them, which the loader checks and uses in place.
     """
 
     def __init__(

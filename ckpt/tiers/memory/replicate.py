@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format.checksum import crc32c_of
 from ckpt.format.layout import shard_filename
-from ckpt.save.async_save import lower_thread_priority, save_thread_nice
+from ckpt.saving.async_save import lower_thread_priority, save_thread_nice
 from ckpt.tiers.memory import fs as memory_fs
 from ckpt.tiers.memory import shard
 

@@ -56,7 +56,7 @@ from ckpt.format.checksum import crc32c_of
 from ckpt.format.layout import COMPLETE_NAME, DCP_METADATA_NAME, MANIFEST_NAME, checkpoint_dirname
 from ckpt.format.manifest import Manifest
 from ckpt.format.tensorblob import data_layout
-from ckpt.load.reader import SafeLoadPlanner, load_metadata
+from ckpt.loading.reader import SafeLoadPlanner, load_metadata
 from ckpt.tiers.memory import fs as memory_fs
 from ckpt.tiers.memory.layout import (
     COMMIT_NAME,

@@ -7,7 +7,7 @@ scattered, results gathered) cost ~60 ms and ``torch.save`` ~0.2 ms per item wha
 its size, so a plain ``dcp.save`` took ~125 ms for a step of ~150 ms.
 
 Here the plan is made once, collectively, exactly as a durable save plans it
-(``dcp.save`` with :class:`~ckpt.save.writer.BlockSavePlanner`), and each tensor item's
+(``dcp.save`` with :class:`~ckpt.saving.writer.BlockSavePlanner`), and each tensor item's
 ``torch.save`` bytes are kept as a template: the bytes before and after the tensor's
 raw data, which depend only on its shape, dtype and stride. Later snapshots of a state
 with the same structure write, for each tensor item, prefix + the tensor's current
@@ -16,7 +16,7 @@ re-serialize a non-tensor item only when its value changed. Tensor items come fi
 the file and non-tensor items last, so a non-tensor value whose encoding changes length
 moves only the items after it. The file is what ``torch.save`` + DCP write (the only
 difference: every snapshot repeats the first save's serialization id, a field torch
-only logs), so the normal verified reader (:class:`~ckpt.load.reader.ShardReader`) loads it.
+only logs), so the normal verified reader (:class:`~ckpt.loading.reader.ShardReader`) loads it.
 
 Files are rewritten in place (opened without truncation, cut to size at the end), so
 a snapshot reuses the pages of the file it replaces.
@@ -45,8 +45,8 @@ from ckpt.dist import Collective, quiet_single_process
 from ckpt.format import checksum
 from ckpt.format.checksum import ChecksummingWriter, encode_crc32c
 from ckpt.format.tensorblob import NotPlain, zip_records
-from ckpt.save import finite
-from ckpt.save.writer import BlockSavePlanner, ShardWriter, own_storage, zip_crc32_off
+from ckpt.saving import finite
+from ckpt.saving.writer import BlockSavePlanner, ShardWriter, own_storage, zip_crc32_off
 
 Chunk = list[Any]  # [offset, length, crc32c] of one item, as in the manifest
 
@@ -83,7 +83,7 @@ class WrittenShard:
     item_crcs: list[int] = field(default_factory=list)
     """The same checksums as integers (fast writes only)."""
     non_finite: list[str] = field(default_factory=list)
-    """Keys of the floating tensors that held NaN or inf (:mod:`ckpt.save.finite`)."""
+    """Keys of the floating tensors that held NaN or inf (:mod:`ckpt.saving.finite`)."""
 
 
 @dataclass(slots=True)
@@ -285,7 +285,7 @@ class _ItemStream:
 
     def item(self, *parts: Any, watch: finite.ValueWatch | None = None) -> None:
         """Write one item made of ``parts``; the part ``watch`` matches (a tensor's raw
-        bytes) is written, checksummed and looked at piece by piece (:mod:`ckpt.save.finite`)."""
+        bytes) is written, checksummed and looked at piece by piece (:mod:`ckpt.saving.finite`)."""
         crc, length = 0, 0
         views = [memoryview(part).cast("B") for part in parts]
         for view in views:

@@ -19,10 +19,10 @@ from typing import Any
 import torch.distributed as dist
 
 from ckpt.errors import CorruptCheckpointError
-from ckpt.load.restore import LoadResult
-from ckpt.load.restore import load as _load
-from ckpt.save.policy import EveryNSteps, SaveDecisionPolicy
-from ckpt.save.saves import DurableSaves
+from ckpt.loading.restore import LoadResult
+from ckpt.loading.restore import load as _load
+from ckpt.saving.policy import EveryNSteps, SaveDecisionPolicy
+from ckpt.saving.saves import DurableSaves
 from ckpt.storage import StorageOptions
 from ckpt.storage.faults import FaultRegistry
 from ckpt.tiers import Candidate, Emit, ResumeScope, SaveRequest, TierContext, manager_record

@@ -45,8 +45,8 @@ from ckpt.errors import SnapshotError
 from ckpt.format.checksum import crc32c_of, encode_crc32c
 from ckpt.format.layout import DCP_METADATA_NAME, MANIFEST_NAME, shard_filename
 from ckpt.format.manifest import Attempt, CompleteMarker, FileEntry, Manifest
-from ckpt.save import finite
-from ckpt.save.commit import process_start_time, utc_now
+from ckpt.saving import finite
+from ckpt.saving.commit import process_start_time, utc_now
 from ckpt.state.state_check import checked_state
 from ckpt.tiers.memory import fs as memory_fs
 from ckpt.tiers.memory import shard
@@ -88,7 +88,7 @@ class MemoryTier:
     ) -> None:
         memory_fs.install()  # ckptmem://, what a resume from this tier loads from
         self.allow_non_finite = allow_non_finite
-        """Keys whose non-finite values do not stop a snapshot (:mod:`ckpt.save.finite`)."""
+        """Keys whose non-finite values do not stop a snapshot (:mod:`ckpt.saving.finite`)."""
         self.base = memory_base_dir(memory_dir)
         # Two gloo groups of its own: snapshot collectives (caller's thread) and the
         # replication sends (background thread) never interleave with each other, with

@@ -1,8 +1,8 @@
 """The durable saves of a :class:`~ckpt.manager.CheckpointManager`: run, collect, count.
 
 The manager decides when to save (every N steps, final, emergency) and what
-(:mod:`ckpt.state.capture`); :class:`DurableSaves` runs one (``ckpt.save.commit.save``, sync or in
-the background on the manager's :class:`~ckpt.save.async_save.AsyncSaver`), collects the one
+(:mod:`ckpt.state.capture`); :class:`DurableSaves` runs one (``ckpt.saving.commit.save``, sync or in
+the background on the manager's :class:`~ckpt.saving.async_save.AsyncSaver`), collects the one
 in flight at the next save (its outcome counts then), keeps the newest commit and the
 retention protection of the checkpoint a run resumed from.
 
@@ -36,8 +36,8 @@ from ckpt.errors import (
 )
 from ckpt.format.layout import checkpoint_dirname
 from ckpt.lifecycle.retention import RetentionPolicy
-from ckpt.save import async_save as _async
-from ckpt.save.commit import save as _save
+from ckpt.saving import async_save as _async
+from ckpt.saving.commit import save as _save
 from ckpt.state.app_state import AppState
 from ckpt.state.capture import Captured, StateCapture
 from ckpt.storage import Storage, StorageOptions
@@ -155,7 +155,7 @@ class DurableSaves:
     ) -> None:
         self.root = root
         self.allow_non_finite = allow_non_finite
-        """Keys whose NaN or inf values do not stop a commit (:mod:`ckpt.save.finite`)."""
+        """Keys whose NaN or inf values do not stop a commit (:mod:`ckpt.saving.finite`)."""
         self.root_guard = root_guard
         """Run by the coordinator before a save writes (the root's owner lease)."""
         self._app = app

@@ -17,7 +17,7 @@ manifest's size:
 
 :func:`non_finite_tensors` goes further (``python -m ckpt verify --finite``): it reads
 and decodes every floating tensor item (each checked against its crc32c first) and
-lists those holding NaN or inf. A save never commits such a state (:mod:`ckpt.save.finite`),
+lists those holding NaN or inf. A save never commits such a state (:mod:`ckpt.saving.finite`),
 so this is for checkpoints from elsewhere, older versions, or ``allow_non_finite``.
 
 A problem names the file and says what is wrong; :meth:`VerifyReport.raise_if_bad`
@@ -41,7 +41,7 @@ from ckpt.format.dcp_metadata import MAX_METADATA_BYTES
 from ckpt.format.layout import DCP_METADATA_NAME
 from ckpt.format.manifest import Manifest
 from ckpt.format.tensorblob import view_tensor
-from ckpt.save import finite
+from ckpt.saving import finite
 from ckpt.storage import FILE, Storage, crc32c_of_object
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ def non_finite_tensors(ckpt_dir: Storage, manifest: Manifest) -> dict[str, tuple
     manifest crc32c before it is decoded (``.metadata`` with the safe loader); raises
     :class:`~ckpt.errors.CorruptCheckpointError` for damage found on the way.
     """
-    from ckpt.load.reader import ShardReader  # the reader imports much; only this needs it
+    from ckpt.loading.reader import ShardReader  # the reader imports much; only this needs it
 
     metadata = ShardReader(ckpt_dir, manifest).fetch_metadata()
     crcs = {

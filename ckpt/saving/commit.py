@@ -7,7 +7,7 @@ is initialized). In order:
    count is the maximum (torchrun counts restarts per agent);
 2. coordinator: refuse to overwrite a committed checkpoint, fence against newer
    attempts, and clear a partial directory left by a dead attempt at this step;
-3. every rank: ``dcp.save`` through :class:`~ckpt.save.writer.ShardWriter` (each rank's
+3. every rank: ``dcp.save`` through :class:`~ckpt.saving.writer.ShardWriter` (each rank's
    shard file is flushed, fsynced, closed and size-checked; the coordinator then
    writes ``.metadata``);
 4. coordinator: gather every rank's files and item checksums, write
@@ -57,10 +57,10 @@ from ckpt.format.manifest import Attempt, CompleteMarker, FileEntry, Manifest
 from ckpt.lifecycle import ownership
 from ckpt.lifecycle.quarantine import finish_move as finish_quarantine_move
 from ckpt.lifecycle.retention import RetentionPolicy, apply_retention, set_aside_renamed
-from ckpt.load.discovery import RENAMED, Catalog, inspect_dir
-from ckpt.save import async_save as _async
-from ckpt.save import finite
-from ckpt.save.writer import BlockSavePlanner, ShardWriter
+from ckpt.loading.discovery import RENAMED, Catalog, inspect_dir
+from ckpt.saving import async_save as _async
+from ckpt.saving import finite
+from ckpt.saving.writer import BlockSavePlanner, ShardWriter
 from ckpt.state.state_check import checked_state
 from ckpt.storage import Storage, StorageOptions
 from runcore import events as ev
@@ -129,7 +129,7 @@ def save(
     the manifest and returned by :func:`ckpt.load`. With ``retention``, the
     coordinator applies it in a background thread after the commit.
 
-    With ``async_save=True`` it returns a :class:`~ckpt.save.async_save.PendingSave`
+    With ``async_save=True`` it returns a :class:`~ckpt.saving.async_save.PendingSave`
     (``.wait()`` gives the URL) as soon as ``state`` is staged in host memory: the
     caller may change its tensors right away, and the upload and commit run on a
     background thread, whose collectives use only the checkpoint gloo group. At most
@@ -147,7 +147,7 @@ def save(
     promises that nothing but those optimizers' ``step()`` changes the state's
     tensors in place until then (``PendingSave.wait_staged()`` waits explicitly).
 
-    Floating tensors are looked at as they are checksummed (:mod:`ckpt.save.finite`): a
+    Floating tensors are looked at as they are checksummed (:mod:`ckpt.saving.finite`): a
     save holding a NaN or an infinity is not committed
     (:class:`~ckpt.errors.NonFiniteStateError`, naming the tensors), unless
     ``allow_non_finite`` exempts them (``True``, or ``fnmatch`` patterns of the keys,
@@ -387,7 +387,7 @@ def _prepare(storage: Storage, dirname: str, attempt: Attempt, started_at: float
     """Coordinator: refuse to overwrite a commit, fence, clear a dead attempt's leftovers,
     and claim the directory for this attempt (``ATTEMPT``, before any shard).
 
-    Lists the root once (a :class:`~ckpt.load.discovery.Catalog` shared with the fence
+    Lists the root once (a :class:`~ckpt.loading.discovery.Catalog` shared with the fence
     check); the step's directory is listed only when the root holds it. Leftovers are
     cleared only when every file in them is one this library writes
     (:mod:`ckpt.lifecycle.ownership`); anything else stops the save with an error naming them,

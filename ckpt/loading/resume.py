@@ -23,8 +23,8 @@ from typing import Any
 from ckpt import dist as _dist
 from ckpt import env
 from ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointShapeError
-from ckpt.load.discovery import Catalog
-from ckpt.load.restore import LoadResult, refuse_only_quarantined
+from ckpt.loading.discovery import Catalog
+from ckpt.loading.restore import LoadResult, refuse_only_quarantined
 from ckpt.state import per_rank
 from ckpt.state.app_state import AppState, param_group_changes, shape_mismatch
 from ckpt.state.capture import MANAGER_META_KEY, StateCapture

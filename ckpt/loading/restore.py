@@ -5,7 +5,7 @@ Called by every rank (collective). For each candidate, newest first:
 1. coordinator: read COMPLETE and manifest.json, fast-verify the files (sizes,
    and object crc32c where the backend reports it); broadcast the manifest or why
    the candidate is rejected;
-2. every rank: ``dcp.load`` in place through :class:`~ckpt.load.reader.ShardReader`,
+2. every rank: ``dcp.load`` in place through :class:`~ckpt.loading.reader.ShardReader`,
    which checks each item's crc32c before using it; DCP reshards to any world size.
 
 A candidate that fails is reported (log + ``ckpt_fallback`` event naming the file
@@ -41,11 +41,11 @@ from ckpt.format.layout import checkpoint_dirname
 from ckpt.format.manifest import Manifest
 from ckpt.lifecycle.quarantine import quarantine as quarantine_checkpoint
 from ckpt.lifecycle.quarantine import should_quarantine
-from ckpt.load.discovery import CORRUPT, QUARANTINED, Catalog
-from ckpt.load.reader import SafeLoadPlanner, ShardReader
-from ckpt.load.verify import verify_dir
-from ckpt.save import async_save as _async
-from ckpt.save.commit import EventSink
+from ckpt.loading.discovery import CORRUPT, QUARANTINED, Catalog
+from ckpt.loading.reader import SafeLoadPlanner, ShardReader
+from ckpt.loading.verify import verify_dir
+from ckpt.saving import async_save as _async
+from ckpt.saving.commit import EventSink
 from ckpt.state.state_check import LoadableState
 from ckpt.storage import Storage, StorageOptions
 from runcore import events as ev
@@ -100,7 +100,7 @@ def load(
     quarantined checkpoints and no committed one raises
     :class:`~ckpt.errors.NoLoadableCheckpointError` even with ``missing_ok``.
     ``catalog``: the coordinator's listing of ``root`` when the caller already made
-    one (:class:`~ckpt.load.discovery.Catalog`; what it read is not read again); other
+    one (:class:`~ckpt.loading.discovery.Catalog`; what it read is not read again); other
     ranks ignore it. Without it, the coordinator lists ``root`` once.
     """
     if not isinstance(root, str):

@@ -45,7 +45,7 @@ from torch.futures import Future
 from ckpt import env
 from ckpt.format.checksum import ChecksummingWriter
 from ckpt.format.layout import DCP_METADATA_NAME, shard_filename
-from ckpt.save import finite
+from ckpt.saving import finite
 from ckpt.storage import FileRecord, Storage
 
 SAVE_BLOCK_BYTES = 8 << 20
@@ -132,7 +132,7 @@ class ShardWriter(StorageWriter):
 
     After ``dcp.save`` returns, ``records`` holds the files this rank wrote,
     ``chunks`` the ``[offset, length, crc32c]`` of every item in them and ``non_finite``
-    the keys of the floating tensors that held a NaN or an infinity (:mod:`ckpt.save.finite`).
+    the keys of the floating tensors that held a NaN or an infinity (:mod:`ckpt.saving.finite`).
     """
 
     def __init__(self, ckpt_dir: Storage) -> None:

@@ -16,7 +16,7 @@ Rules, on every rank alike:
 - the background thread runs collectives only on the checkpoint group (see
   :mod:`ckpt.dist`), so training collectives on other groups go on meanwhile;
 - COMPLETE is written by the coordinator only after every rank's shards are durable
-  (the protocol of :mod:`ckpt.save.commit`, unchanged);
+  (the protocol of :mod:`ckpt.saving.commit`, unchanged);
 - a failure is never silent: it is raised by :meth:`PendingSave.wait`, or else by
   the next save, :func:`wait_pending` or :func:`close`; a process that exits with a
   save in flight waits for it and logs a failure nobody observed.
