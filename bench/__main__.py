@@ -383,7 +383,7 @@ def _memory(work: str, mode: Mode) -> list[m.Metric]:
 
 
 def _export(work: str, mode: Mode) -> list[m.Metric]:
-    """export_memory, export_vs_read: ckpt.interop.export of a ``total_bytes`` checkpoint (bench/export.py)."""
+    """export_memory, export_vs_read: ckpt.export of a ``total_bytes`` checkpoint (bench/export.py)."""
     width = layer_width(max(mode.total_bytes, EXPORT_MIN_BYTES))
     raw = export_rounds(work, width, mode.spawn_rounds, mode.timeout_s)
     return export_metrics(raw)

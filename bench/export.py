@@ -1,4 +1,4 @@
-"""export_memory and export_vs_read: ``ckpt.interop.export`` of a 2-rank FSDP2 checkpoint to safetensors.
+"""export_memory and export_vs_read: ``ckpt.export`` of a 2-rank FSDP2 checkpoint to safetensors.
 
 The checkpoint is the benchmark state (:mod:`bench.fsdp_state`: model + AdamW, fp32,
 ``Mode.total_bytes`` in all, so the model is about a third of it), saved by 2 spawned
@@ -6,7 +6,7 @@ ranks. Each round, in rotating order and with the page cache of the checkpoint's
 dropped before each side:
 
 - ours: a fresh spawned process (imports done before the clock starts) runs
-  ``ckpt.interop.export(root, out, max_shard_size=model bytes / OUTPUT_SHARDS)``: it reads and
+  ``ckpt.export(root, out, max_shard_size=model bytes / OUTPUT_SHARDS)``: it reads and
   verifies the model items of both ranks' shard files, assembles each tensor, writes the
   safetensors files and fsyncs them. Its peak RSS growth is the kernel's high-water mark
   (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), or, where that
@@ -80,7 +80,7 @@ def _export_child(root: str, out: str, max_shard: int, results: Any) -> None:
         exact = _reset_peak()
         with PeakRss() as sampled:
             started = time.perf_counter()
-            result = ckpt.interop.export(root, out, max_shard_size=max_shard)
+            result = ckpt.export(root, out, max_shard_size=max_shard)
             seconds = time.perf_counter() - started
         growth = _hwm_bytes() - before if exact else sampled.growth
         results.put(

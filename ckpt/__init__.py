@@ -30,7 +30,7 @@ Asynchronous save (returns once the state is staged in host memory)::
 
 The model of a checkpoint as Hugging Face safetensors or one torch file (streamed, verified)::
 
-    ckpt.interop.export("gs://bucket/run1", "./my-model", dtype="bf16")   # python -m ckpt export
+    ckpt.export("gs://bucket/run1", "./my-model", dtype="bf16")   # python -m ckpt export
 
 and back: a ``save_pretrained`` directory as the starting point of a sharded model::
 

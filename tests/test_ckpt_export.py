@@ -1,4 +1,4 @@
-"""ckpt.interop.export: a 2-rank FSDP2 checkpoint out as safetensors and torch, checked tensor by tensor.
+"""ckpt.export: a 2-rank FSDP2 checkpoint out as safetensors and torch, checked tensor by tensor.
 
 The reference is what DCP itself calls the full model state:
 ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))``, taken by
@@ -352,7 +352,7 @@ def test_progress_lines_go_to_the_given_stream(saved, tmp_path, monkeypatch):
     import importlib
     import io
 
-    module = importlib.import_module("ckpt.interop.export")  # ckpt.interop.export is the function
+    module = importlib.import_module("ckpt.interop.export")  # ckpt.export is the function
     monkeypatch.setattr(module, "PROGRESS_EVERY_S", 0.0)
     stream = io.StringIO()
     result = export(saved[0], str(tmp_path / "out"), progress=stream)

@@ -103,7 +103,7 @@ def test_a_transformers_model_exports_its_recorded_config_and_loads_with_from_pr
 ):
     root, model = llama_root
     out = str(tmp_path / "out")
-    result = ckpt.interop.export(root, out)
+    result = ckpt.export(root, out)
     assert sorted(result.files) == ["config.json", "generation_config.json", "model.safetensors"]
     with open(os.path.join(out, "config.json"), encoding="utf-8") as fh:
         config = json.load(fh)
@@ -117,7 +117,7 @@ def test_a_transformers_model_exports_its_recorded_config_and_loads_with_from_pr
 def test_a_cast_export_names_its_dtype_and_an_explicit_config_wins(llama_root, tmp_path):
     root, _ = llama_root
     out = str(tmp_path / "bf16")
-    ckpt.interop.export(root, out, dtype="bf16")
+    ckpt.export(root, out, dtype="bf16")
     with open(os.path.join(out, "config.json"), encoding="utf-8") as fh:
         assert json.load(fh)["dtype"] == "bfloat16"
     assert LlamaForCausalLM.from_pretrained(out, dtype="auto").dtype == torch.bfloat16
@@ -125,7 +125,7 @@ def test_a_cast_export_names_its_dtype_and_an_explicit_config_wins(llama_root, t
     mine = tmp_path / "mine.json"
     mine.write_text(tiny_config().to_json_string())
     given = str(tmp_path / "given")
-    result = ckpt.interop.export(root, given, config=str(mine))
+    result = ckpt.export(root, given, config=str(mine))
     assert (tmp_path / "given" / "config.json").read_text() == mine.read_text()
     assert "generation_config.json" in result.files  # still the recorded one
 

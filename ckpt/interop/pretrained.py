@@ -1,6 +1,6 @@
 """A Hugging Face ``save_pretrained`` directory as the starting point of a (sharded) model.
 
-The way back from :func:`ckpt.interop.export`: ``load_pretrained(model, "path/to/dir")`` fills a
+The way back from :func:`ckpt.export`: ``load_pretrained(model, "path/to/dir")`` fills a
 built, possibly sharded model (FSDP2 ``fully_shard``, tensor parallel, or plain) from
 ``model.safetensors``, or ``model.safetensors.index.json`` and its shards, on any world
 size. Every rank calls it after building and sharding its model, when
@@ -15,7 +15,7 @@ instead); it needs no collective::
 Each rank reads only its own part of each tensor: a shard of whole rows (FSDP2's dim-0
 shards) is one ranged read; another placement reads the tensor and keeps its slice.
 Names are the model's own, as DCP names them (no wrapper prefix), which are the names
-``save_pretrained`` and :func:`ckpt.interop.export` write. A tied parameter (``lm_head.weight``
+``save_pretrained`` and :func:`ckpt.export` write. A tied parameter (``lm_head.weight``
 tied to ``model.embed_tokens.weight``) needs only its stored name, and stays tied.
 
 The files are parsed here, never executed: an 8-byte header length (bounded by

@@ -2,7 +2,7 @@
 
 - A tiny transformers Llama (tests/e2e/scripts/train_tiny_llama.py: FSDP2 on gloo, public
   ckpt API only) is exported with ``python -m ckpt export`` to safetensors and with
-  ``ckpt.interop.export`` to torch: both equal the trained model's full state tensor by tensor,
+  ``ckpt.export`` to torch: both equal the trained model's full state tensor by tensor,
   and ``AutoModelForCausalLM.from_pretrained(OUT)`` reproduces the logits the script
   computed from that full state.
 - Our built-in GPT (``python -m trainer`` on 2 ranks) exported to safetensors and read
@@ -89,11 +89,11 @@ def test_llama_torch_export_and_bf16_shards_equal_the_full_state(llama_run):
     base, ckpt_dir, ref = llama_run
     full = torch.load(os.path.join(ref, "full_state.pt"), weights_only=True)
     out = str(base / "model.pt")
-    ckpt.interop.export(ckpt_dir, out, format="torch")
+    ckpt.export(ckpt_dir, out, format="torch")
     assert_same_tensors(torch.load(out, weights_only=True), full)
 
     sharded = str(base / "hf_bf16")
-    result = ckpt.interop.export(ckpt_dir, sharded, dtype="bf16", max_shard_size="64KB")
+    result = ckpt.export(ckpt_dir, sharded, dtype="bf16", max_shard_size="64KB")
     shards = [f for f in result.files if f.endswith(".safetensors")]
     assert len(shards) > 1 and "model.safetensors.index.json" in result.files
     merged: dict[str, torch.Tensor] = {}

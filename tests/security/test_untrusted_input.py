@@ -270,7 +270,7 @@ def test_export_writes_the_verified_model_when_files_it_does_not_read_fail(tmp_p
     assert ckpt.cli.main(["verify", root]) == 1
     out = str(tmp_path / "out")
     with caplog.at_level(logging.WARNING, logger="ckpt"):
-        ckpt.interop.export(root, out)
+        ckpt.export(root, out)
     assert any("rank_00001.distcp" in r.getMessage() for r in caplog.records)
     tensors = load_file(os.path.join(out, "model.safetensors"))
     assert torch.equal(tensors["weight"], model.weight.detach())
@@ -278,5 +278,5 @@ def test_export_writes_the_verified_model_when_files_it_does_not_read_fail(tmp_p
     with open(os.path.join(ckpt_dir, "rank_00000.distcp"), "r+b") as f:
         f.truncate(10)
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"rank_00000\.distcp"):
-        ckpt.interop.export(root, str(tmp_path / "out2"))
+        ckpt.export(root, str(tmp_path / "out2"))
     assert not os.path.exists(tmp_path / "out2")
