@@ -365,6 +365,35 @@ def test_large_ranges_are_read_as_parallel_ranged_gets_into_the_exact_bytes(s3_s
         storage.read_range("missing", 0, 10)
 
 
+def test_a_load_reads_items_a_small_gap_apart_in_one_ranged_get(s3_server, s3_root):
+    """A load of part of a shard: items less than OBJECT_STORE_GAP_BYTES apart come in
+    one request (gap included), farther ones in their own; every item still checked."""
+    from ckpt.loading.reader import OBJECT_STORE_GAP_BYTES
+
+    gen = torch.Generator().manual_seed(3)
+    near = OBJECT_STORE_GAP_BYTES // 8  # float32 elements: half the allowed gap
+    far = OBJECT_STORE_GAP_BYTES // 2  # twice the allowed gap
+    saved = {
+        "a": torch.randn(64, generator=gen),
+        "gap_near": torch.randn(near, generator=gen),
+        "b": torch.randn(64, generator=gen),
+        "gap_far": torch.randn(far, generator=gen),
+        "c": torch.randn(64, generator=gen),
+    }
+    ckpt.save(saved, s3_root, 1)
+    s3_server.reset()
+    loaded = {k: torch.zeros(64) for k in ("a", "b", "c")}
+    ckpt.load(loaded, s3_root)
+    for key, value in loaded.items():
+        assert torch.equal(value, saved[key]), key
+    shard = [
+        r
+        for r in requests_under(s3_server, s3_root, "checkpoint_0000001")
+        if r["method"] == "GET" and r["path"].endswith("/rank_00000.distcp")
+    ]
+    assert len(shard) == 2  # {a, b} across the near gap, then c
+
+
 def test_transfer_options_are_checked_against_s3s_limits_and_the_scheme():
     with pytest.raises(ValueError, match="part_bytes"):
         S3TransferOptions(part_bytes=1 * MIB)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 from collections import deque
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,6 +43,11 @@ from ckpt.storage import FILE, Storage
 
 # Coalesce neighbouring items into one ranged request up to this many bytes.
 MAX_READ_SPAN_BYTES = 64 << 20
+OBJECT_STORE_GAP_BYTES = 1 << 20
+"""On an object store, items at most this far apart are read in one ranged request,
+the bytes between them included: each request costs a round trip (tens of ms on S3 and
+GCS, in which more than this arrives) and, on a server that reads the whole object for
+any range (moto), the whole object. Local files read exactly the items."""
 
 
 def load_metadata(raw: bytes, *, url: str = "", manifest: Manifest | None = None) -> Metadata:
@@ -53,6 +57,32 @@ def load_metadata(raw: bytes, *, url: str = "", manifest: Manifest | None = None
     if manifest is not None:
         check_metadata(metadata, manifest, url=url)
     return metadata
+
+
+def coalesce_extents(
+    extents: list[tuple[int, int]], max_bytes: int, max_gap: int = 0
+) -> list[tuple[int, int, list[int]]]:
+    """Group offset-sorted ``(offset, length)`` extents of one file into byte ranges to
+    read with one request each: ``(start, end, indices of the extents in it)``.
+
+    An extent joins the open range when it overlaps it or starts at most ``max_gap``
+    bytes after its end, and the range stays within ``max_bytes``. Pure.
+    """
+    out: list[tuple[int, int, list[int]]] = []
+    start = end = -1
+    group: list[int] = []
+    for index, (offset, length) in enumerate(extents):
+        item_end = offset + length
+        if group and offset <= end + max_gap and max(end, item_end) - start <= max_bytes:
+            end = max(end, item_end)
+            group.append(index)
+            continue
+        if group:
+            out.append((start, end, group))
+        start, end, group = offset, item_end, [index]
+    if group:
+        out.append((start, end, group))
+    return out
 
 
 class Scattered:
@@ -183,12 +213,17 @@ class ShardReader(StorageReader):
                 item
             )
         span_bytes, depth = self.ckpt_dir.read_pipeline()
+        max_gap = OBJECT_STORE_GAP_BYTES if depth > 1 else 0
         spans: list[tuple[str, int, int, list[ReadItem]]] = []
         for path, items in per_file.items():
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
+            infos = [self.storage_data[it.storage_index] for it in items]
+            extents = [(info.offset, info.length) for info in infos]
             spans.extend(
-                (path, start, end, group)
-                for start, end, group in self._spans(items, span_bytes or MAX_READ_SPAN_BYTES)
+                (path, start, end, [items[i] for i in members])
+                for start, end, members in coalesce_extents(
+                    extents, span_bytes or MAX_READ_SPAN_BYTES, max_gap
+                )
             )
         if depth > 1:
             self._read_pipelined(spans, depth, planner)
@@ -336,29 +371,6 @@ class ShardReader(StorageReader):
                 url=self.ckpt_dir.root_url,
                 path=path,
             )
-
-    def _spans(
-        self, items: list[ReadItem], max_bytes: int = MAX_READ_SPAN_BYTES
-    ) -> Iterator[tuple[int, int, list[ReadItem]]]:
-        """Group offset-sorted items into contiguous byte ranges of bounded size."""
-        start = end = -1
-        group: list[ReadItem] = []
-        for item in items:
-            info = self.storage_data[item.storage_index]
-            item_end = info.offset + info.length
-            if group and info.offset <= end and max(end, item_end) - start <= max_bytes:
-                end = max(end, item_end)
-                group.append(item)
-                continue
-            if group and info.offset == end and item_end - start <= max_bytes:
-                end = item_end
-                group.append(item)
-                continue
-            if group:
-                yield start, end, group
-            start, end, group = info.offset, item_end, [item]
-        if group:
-            yield start, end, group
 
     def _verify_item(self, path: str, offset: int, piece: bytes | memoryview) -> None:
         length, crc = self._expected(path, offset)
