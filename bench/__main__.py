@@ -138,14 +138,13 @@ RDZV_SIM_TIMEOUT_S = 600.0
 """Bound of one rendezvous simulation (one backend, one N: starting its agents, its rounds)."""
 RDZV_PHASE_TIMEOUT_S = 60.0
 """Bound of one round of a simulation below ``RDZV_LARGE_N`` agents (c10d's re-round after
-a death at 8 agents takes ~16 s on 2 cores)."""
+a death at 8 agents takes over ten seconds on 2 cores)."""
 RDZV_LARGE_N = 32
 RDZV_LARGE_PHASE_TIMEOUT_S = 15.0
 """Bound of one round from ``RDZV_LARGE_N`` agents on. c10d's first round of 32 or more
-agents on 2 cores does not end in its bound (32 agents: none in 60 s in the last three
-runs, once 48 s; 128 or 256: none in 120 s, 2026-11-25, none in 30 s since); its lower
-bound of 15 s against ``ft``'s 0.9-2.5 s round at 256 still decides the <= 1/3 target
-(<= 0.17), at a quarter of the wait."""
+agents on 2 cores rarely ends within a minute, at 128 or 256 agents not within two, so
+a longer bound only waits longer; its lower bound of 15 s against ``ft``'s round of a few
+seconds at 256 still decides the <= 1/3 target, at a quarter of the wait."""
 
 
 def rdzv_phase_timeout_s(n: int) -> float:

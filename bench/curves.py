@@ -160,7 +160,7 @@ Progress = Callable[[str], None]
 def on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks forked from a forkserver that
     imported torch once: started by ``spawn`` (:func:`bench.spawn.run_on_ranks`), 16 ranks
-    spent ~140 s of a 190 s point importing torch on 2 cores. Ours and DCP run in the same
+    on 2 cores spend most of a point importing torch. Ours and DCP run in the same
     processes, so how they were started weighs on both sides alike."""
     return run_ok(fn, world, *args, timeout_s=timeout_s, pg_timeout_s=300.0)
 

@@ -27,9 +27,9 @@ logs (:func:`fault_cost`, pure):
 The kills are spaced for a fault about every ``FAULT_EVERY_S`` seconds as the bench
 counts it (``mean_s_between_faults``: the job's wall time / (kills + 1)): the plan is
 sized in steps from the step time of the shorter jobs run just before
-(:meth:`KillPlan.sized`), since this machine's step time has varied 2x between sessions
-(the tiny GPT's 0.11 s to 0.22 s: a fixed 142-step plan gave a fault every 15.8 s on the
-one and 36.6 s on the other). The default plan (:class:`KillPlan` as it stands) is the
+(:meth:`KillPlan.sized`), since the step time differs between machines and, on a shared
+one, between runs: a plan fixed in steps would space the faults as much further apart as
+the steps are slower. The default plan (:class:`KillPlan` as it stands) is the
 one for 0.22 s steps.
 """
 
@@ -51,7 +51,7 @@ DURABLE_EVERY = 20
 """Durable checkpoint interval of the kill jobs (the kills' re-runs are set against it)."""
 PERIOD_OVERHEAD_S = 2.0
 """Seconds of each period between faults that are not steps (:meth:`KillPlan.sized`):
-1.75 s in a job of 0.11 s steps (wall 63.3 s, of which 500 steps 56.3 s, 4 periods)."""
+a job's wall time less its steps' time, over its periods; under 2 s for the tiny GPT."""
 
 PHASES = ("detect_s", "rdzv_spawn_import_pg_s", "build_s", "load_s", "other_s", "rerun_s")
 """Where the time of one kill goes (``lost_s`` is their sum when the log marks were found)."""
@@ -68,9 +68,9 @@ class KillPlan:
     memory tier (snapshots every 5 steps) 3, 0 and 2."""
     durable_every: int = DURABLE_EVERY
     memory_every: int = 5
-    """The K of ``memory_tier_stall``'s headline. With K = 1 (a full run, kills 206/411/616)
-    the snapshots cost ~16 ms per 0.15 s step, more than the re-run steps they saved:
-    goodput 0.830 vs 0.878 durable-only, fault_cost_s 4.15 vs 4.95 (BENCHMARKS.md)."""
+    """The K of ``memory_tier_stall``'s headline. With K = 1 the snapshots cost more per
+    step than the re-run steps they save: goodput and ``fault_cost_s`` are both worse than
+    durable-only (see BENCHMARKS.md)."""
 
     @classmethod
     def sized(cls, step_s: float, every_s: float = FAULT_EVERY_S) -> KillPlan:

@@ -16,7 +16,7 @@ from that start to the last process's return from ``next_rendezvous``:
 c10d runs with ``last_call_timeout=1`` (whole seconds are its floor; the default is 30)
 and its default keep-alive (every 5 s, dead after 3 missed): with a keep-alive every
 second, as the e2e tests use, its agents' writes of the shared state contend so much
-that 32 agents on this 2-core machine did not finish a round within 120 s. ``ft`` runs
+that 32 agents on a 2-core machine do not finish a round within minutes. ``ft`` runs
 with its defaults.
 
 Store requests: each agent wraps the stores its handler talks to in a counter (every
@@ -47,8 +47,9 @@ CONF = {
 }
 PHASE_TIMEOUT_S = 60.0
 AFTER_DEATH_TIMEOUT_S = 30.0
-"""Bound of the re-round after an agent's death, at most ``phase_timeout_s``: c10d's took
-16 s at 8 agents and did not end in 60 s at 32 (2 cores, 2026-11-26); ours takes ~1.5-4 s."""
+"""Bound of the re-round after an agent's death, at most ``phase_timeout_s``: on 2 cores
+c10d's takes over ten seconds at 8 agents and does not end within a minute at 32; ours
+takes a few seconds."""
 PHASES = ("first_round_s", "reround_s", "reround_after_death_s")
 
 
@@ -134,9 +135,9 @@ def simulate(
     ctx = mp.get_context("fork")
     port = free_port()
     # torch's socket code looks up the name of a connecting peer (getnameinfo); where no
-    # DNS server answers (this machine), a lookup the hosts file cannot answer waits out
-    # the resolver's timeout, 5 s, twice: 128 agents took ~40 s to connect, against ~1 s
-    # for their rounds (2026-11-26). Nothing timed changes: the agents connect before
+    # DNS server answers (a sandbox), a lookup the hosts file cannot answer waits out
+    # the resolver's timeout, 5 s, twice, so connecting many agents takes far longer
+    # than their rounds. Nothing timed changes: the agents connect before
     # the first round. A RES_OPTIONS already set is kept.
     resolver = os.environ.get("RES_OPTIONS")
     if resolver is None:

@@ -99,9 +99,9 @@ def _entry(
                 dist.destroy_process_group()
             except Exception:
                 pass
-        # Leave without interpreter teardown, as the trainer does: now and then a C++
-        # abort at exit ("terminate called without an active exception", SIGABRT) turned
-        # a rank that had finished and sent its result into a failed one. The result
+        # Leave without interpreter teardown, as the trainer does: a C++ abort at exit
+        # ("terminate called without an active exception", SIGABRT) can turn a rank that
+        # has finished and sent its result into a failed one. The result
         # must be out of the queue's feeder thread first.
         results.close()
         results.join_thread()
@@ -217,8 +217,8 @@ def run_on_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; results in rank order.
 
-    Spawned: a forkserver's ranks saved ~25% slower in two save-group runs (2026-11-25,
-    not understood yet), so the benchmarks keep the start method their history used."""
+    Spawned: ranks started from a forkserver save slower in the save group (the cause is
+    not known), so the benchmarks keep the start method their history used."""
     return run_ok(
         fn, world_size, *args, timeout_s=timeout_s, pg_timeout_s=300.0, start_method="spawn"
     )

@@ -49,8 +49,9 @@ def trainer_run(work: str, steps: int, timeout_s: float) -> tuple[list[float], i
 
     Returns its rows' ``time``, torchrun's exit code and, when non-zero, the lines of
     stderr that say why. A run that wrote every row and its ``finished`` event counts
-    even if a worker then died on the way out (seen here: a SIGABRT in rank 1 after
-    training finished); the exit code is reported in the metric's detail.
+    even if a worker then died on the way out (a SIGABRT at exit after training
+    finished, see :func:`elastic.process.exit_now`); the exit code is reported in the
+    metric's detail.
     """
     run_dir = os.path.join(work, f"trainer_{time.monotonic_ns()}")
     cmd = [

@@ -18,9 +18,9 @@ parent's TCP sockets as they start (:func:`release_inherited_sockets`, registere
 per process by :func:`init_distributed`). Without it a killed rank's loader workers keep
 its gloo connections open until they notice their parent is gone (up to
 ``MP_STATUS_CHECK_INTERVAL``, 5 s), so its peers learn of the death that much later and
-torchrun waits for them: measured here, a worker kill with ``DataLoader(num_workers=2)``
-kept the surviving rank in its all_reduce 6.5 s after torchrun's SIGTERM (0.03 s with
-the release; 0.06 s without loader workers). ``DataLoader`` workers are also shielded
+torchrun waits for them: after a worker kill, a surviving rank whose peer had loader
+workers stays in its all_reduce for seconds after torchrun's SIGTERM, instead of a
+fraction of a second. ``DataLoader`` workers are also shielded
 from a SIGTERM meant for their rank (:mod:`elastic.loader_workers`); ``RunGuard``
 installs both too, for scripts that build the group themselves.
 
@@ -28,9 +28,9 @@ A rank that dies during the start-up must not hold its peers longer than the pee
 failure detector's bound (5 s, 10 s more for a first heartbeat): the group's creation
 waits at most that long for the other ranks (``startup_timeout_s``), and as soon as the
 group exists the detector runs (:mod:`elastic.heartbeat`), through the model build, the
-checkpoint manager's group and resume, until ``RunGuard`` takes it over. Before, a rank
-killed there left its peers in ``init_process_group`` for 121 s or in the checkpoint
-group's creation for 600 s.
+checkpoint manager's group and resume, until ``RunGuard`` takes it over. Without these
+bounds a rank killed there would leave its peers in ``init_process_group`` or in the
+checkpoint group's creation until their own timeouts, minutes later.
 """
 
 from __future__ import annotations
@@ -110,9 +110,10 @@ def _wait_for_store(addr: str, port: int, timeout_s: float) -> float:
 
     Rank 0 hosts the store the group is built over. A rank that tries it before rank 0
     listens gets its connection refused and PyTorch's client backs off for about half a
-    second to a second before it tries again: measured here, two ranks forked at once
-    (a warm restart) built their group in 0.29-0.60 s instead of 0.01-0.03 s. Polling the
-    port here every :data:`STORE_POLL_S` takes that backoff out of every restart.
+    second to a second before it tries again, so two ranks forked at once (a warm
+    restart) would take that long to build a group that is otherwise ready in
+    milliseconds. Polling the port here every :data:`STORE_POLL_S` takes that backoff
+    out of every restart.
     """
     start = time.monotonic()
     deadline = start + timeout_s

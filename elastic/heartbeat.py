@@ -16,7 +16,7 @@ socket) to the store the default process group was built on (``MASTER_ADDR:MASTE
 under torchrun). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` that store lives in the
 rank-0 worker (a C++ server thread that does not need the GIL); otherwise in the
 rank-0 agent or a standalone rendezvous store. A store call on a frozen server blocks
-without any timeout (measured with torch 2.13: the client's ``timeout`` bounds waits
+without any timeout (as of torch 2.13: the client's ``timeout`` bounds waits
 for keys, not a server that stopped answering), so calls are never bounded by their
 own timeout: one thread does the store round trips and may block, another judges from
 the time of the last completed round trip. A store that has not answered for

@@ -209,8 +209,8 @@ def restart_setup_problem(env: Mapping[str, str] | None = None) -> str | None:
     Workers see torchrun's environment. With restarts allowed
     (TORCHELASTIC_MAX_RESTARTS > 0) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset, a
     restarted worker group can reuse the rank-0 agent's TCP store and read stale peer
-    addresses (pytorch#135712): measured here, ``--standalone --max_restarts=1`` hung in
-    ``init_process_group`` after a worker kill. A worker cannot fix its agent's
+    addresses (pytorch#135712): with ``--standalone --max_restarts=1`` the restarted
+    workers hang in ``init_process_group`` after a worker kill. A worker cannot fix its agent's
     environment, so this only says what to set. Workers whose agent does not share its
     store (torchrun sets TORCHELASTIC_USE_AGENT_STORE=False: ``--rdzv_backend=ft``, or
     c10d with the variable set) are fine.

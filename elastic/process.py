@@ -18,9 +18,9 @@ def exit_now(code: int) -> None:
 
     Call it last, after checkpoints are committed (``CheckpointManager.close``) and the
     process group is destroyed. Teardown of native threads left by torch's collectives
-    has aborted a finished rank here ("terminate called without an active exception",
-    about 1 run in 20 of a plain FSDP2 + gloo script with neither ``ckpt`` nor
-    ``elastic``), which makes torchrun report a finished job as failed.
+    can abort a finished rank ("terminate called without an active exception", also in
+    a plain FSDP2 + gloo script with neither ``ckpt`` nor ``elastic``), which makes
+    torchrun report a finished job as failed.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, check, build, train, close. Every rank runs it."""
     argv = sys.argv[1:] if argv is None else argv
     # torch and the rest are imported: their objects live as long as the process, so the
-    # cyclic collector stops walking them (a full collection otherwise takes ~0.2 s here
-    # and lands in a step or the resume at random). See docs/design.md, "Warm restarts".
+    # cyclic collector stops walking them (a full collection otherwise takes a fraction
+    # of a second and lands in a step or the resume at random). See docs/design.md,
+    # "Warm restarts".
     gc.freeze()
     if argv[:1] == ["report"]:
         from trainer.report import main as report_main

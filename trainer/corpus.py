@@ -41,7 +41,7 @@ def arithmetic_text(seed: int, n_chars: int) -> str:
     Each line holds a few ``a+b=c;`` or ``a-b=c;`` facts with operands below 100
     (subtraction never goes negative), so the answer is learnable from the context.
     The random draws are made in bulk (one batch of facts at a time): drawing them
-    one by one cost ~0.4 s per 200k characters, paid again at every restart.
+    one by one is many times slower, a cost paid again at every restart.
     """
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0xA817]))
     parts: list[str] = []

@@ -30,7 +30,7 @@ DEFAULT_PRELOAD = (
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
     "torch.distributed.elastic.multiprocessing.errors",
-    "torch._dynamo",  # imported lazily by the first fully_shard: ~0.8 s otherwise
+    "torch._dynamo",  # imported lazily by the first fully_shard: most of a second otherwise
     "numpy",
 )
 """What the zygote imports before it serves, unwatched: third-party modules, taken not to
@@ -38,7 +38,7 @@ change while an agent lives."""
 
 DEFAULT_WATCHED = ("ckpt", "elastic")
 """This project's library, imported by the zygote too (with fsspec, tenacity and the
-rest of what it imports: ~0.2 s a warm worker no longer pays) but *watched*: before each
+rest of what it imports: time a warm worker does not pay) but *watched*: before each
 fork the zygote compares their source files with what it imported, and after a change
 (an edit, an upgrade) the worker starts cold and a fresh zygote takes over. Modules given
 with ``--preload`` are watched the same way; the target (``-m trainer``, a script) is

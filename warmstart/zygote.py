@@ -302,8 +302,9 @@ def main(argv: list[str]) -> int:
     sources = watched_sources(watched)
     # Every object imported so far goes to the collector's permanent generation, which
     # forked children inherit: their full collections no longer walk (and copy on write)
-    # torch's ~300k module objects, 0.18-0.26 s each here; the first one used to land in
-    # a warm worker's checkpoint load (a 1 MB tiny-GPT resume took 0.4 s instead of 0.1).
+    # torch's ~300k module objects, a fraction of a second each; the first one would
+    # otherwise land in a warm worker's checkpoint load and take longer than a small
+    # resume itself.
     gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(serve_name)

@@ -12,7 +12,7 @@ import functools
 from collections.abc import Iterable
 from typing import IO, Any
 
-try:  # accepts any buffer (no copy) and runs ~13x faster here than copy + google_crc32c
+try:  # accepts any buffer (no copy): far faster than a copy + google_crc32c
     import crc32c as _crc32c
 
     def crc32c_extend(crc: int, data: bytes | bytearray | memoryview) -> int:

@@ -1,11 +1,11 @@
 """Zero-copy decoding of one tensor saved with ``torch.save`` (a DCP item).
 
 ``torch.load`` of a tensor item allocates a new storage and copies the bytes into
-it; the reader then copies that tensor again into the destination. Measured here
-on 64 MB items, the allocation (page faults) and the first copy were two thirds of
-a warm load. :func:`view_tensor` instead finds the storage record inside the
-item's bytes and returns a tensor *viewing* them, so the only copy left is the
-one into the destination.
+it; the reader then copies that tensor again into the destination. On large items
+the allocation (its page faults) and that first copy are most of a warm load.
+:func:`view_tensor` instead finds the storage record inside the item's bytes and
+returns a tensor *viewing* them, so the only copy left is the one into the
+destination.
 
 The item is the zip archive ``torch.save`` writes: ``<prefix>/data.pkl`` (a
 pickle that rebuilds the tensor from a storage key, offset, size and stride),

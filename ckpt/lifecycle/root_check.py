@@ -154,7 +154,7 @@ def check_root(
     Returns the coordinator's listing of the root (``Storage.list_dir``; None on the
     other ranks), so that a resume lists the root once: on a root of a thousand
     checkpoints each listing costs as much as the rest of a tiny resume (bench
-    ``curves``, BENCHMARKS.md).
+    ``curves``; see BENCHMARKS.md).
     """
     coll = _dist.Collective(group)
     listing: list[list[tuple[str, bool]]] = []  # the coordinator's, when it could list

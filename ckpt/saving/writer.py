@@ -225,8 +225,8 @@ def zip_crc32_off() -> Iterator[None]:
     """Have ``torch.save`` skip the zip records' crc32 in this thread, for the block.
 
     ``torch.save`` computes a (slow, single-threaded) crc32 of every tensor's bytes
-    for the zip format; measured here that is most of its time (~2.7 GB/s with it,
-    hundreds of GB/s without). Our items carry crc32c, verified on every read, and
+    for the zip format, which is most of its time on large tensors (without it the
+    bytes are only copied). Our items carry crc32c, verified on every read, and
     ``torch.load`` does not check the zip crc32, so the files stay readable by plain
     ``dcp.load``. torch keeps this setting per thread, so the application's own
     ``torch.save`` calls in other threads are not affected.
@@ -243,10 +243,10 @@ SMALL_ITEM_BYTES = 1 << 20
 """Tensors up to this size are serialized in memory and written to the stream at once.
 
 ``torch.save`` writes a tensor as ~35 small pieces (zip records and headers); streamed
-one by one, each went through the checksumming writer and the file object: with 50,000
-tensors of a few KB on 2 ranks that was 1.75 million writes on rank 0, a third of the
-shard's write time (bench ``curves``, BENCHMARKS.md). The copy into memory costs little
-next to that for tensors this small."""
+one by one, each goes through the checksumming writer and the file object, so a state of
+tens of thousands of small tensors makes millions of writes, a large share of its shard's
+write time (bench ``curves``, many tensors; see BENCHMARKS.md). The copy into memory
+costs little next to that for tensors this small."""
 
 
 def _write_item(stream: ChecksummingWriter, item: WriteItem, data: Any) -> bool:

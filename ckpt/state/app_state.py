@@ -29,7 +29,7 @@ not stepped yet runs a zero-learning-rate ``step()`` to create its state, which 
 Adam's ``step`` counter: a save of such an optimizer records it as *fresh* and saves
 nothing for it, and a load builds a template for it only when the checkpoint holds its
 state. That zero step is also the slowest part of a resume in a new process (every op of
-the step goes through DTensor's sharding propagation once per shape: ~0.5 s of a 0.9 s
+the step goes through DTensor's sharding propagation once per shape: about half of a
 memory-tier resume of the bench's tiny GPT), so for ``torch.optim.Adam`` and ``AdamW``
 the template's state is created here the way their first ``step()`` would (zeros, step
 0; see :func:`init_adam_state`) and the step is not run; other optimizers take DCP's

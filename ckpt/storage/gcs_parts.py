@@ -31,9 +31,9 @@ requests are :mod:`ckpt.storage.parts`, shared with S3):
   the caller's buffer: the shard reader recycles a few, see
   :meth:`~ckpt.storage.Storage.read_pipeline`).
 
-Why (measured on fake-gcs-server, 2 cores, see BENCHMARKS.md): gcsfs ``pipe`` of
-128 MiB took 1.9-3.0 s, one ``http.client`` request with a memoryview body 0.23-0.26 s;
-gcsfs copies each byte into its upload buffers and again per request.
+Why: gcsfs copies each byte into its upload buffers and again per request, which makes
+its ``pipe`` of a large object many times slower than one ``http.client`` request with a
+memoryview body (bench ``gcs``; see BENCHMARKS.md).
 
 Tuning: :class:`GcsTransferOptions`, passed as ``StorageOptions(transfer=...)`` (or
 ``StorageOptions(gcs=...)``).

@@ -255,9 +255,10 @@ other values is not reused."""
 def _cached_client(profile: str | None, init: dict[str, Any], config: dict[str, Any]) -> Any:
     """The botocore client of these settings in this process, kept in ``ckpt.defaults``.
 
-    A new botocore session loads the S3 service model again (0.55 s here, for every
-    ``Storage`` built); a client of a loaded session takes 8 ms. The process id is part
-    of the keys: a forked child makes its own (sockets are not shared).
+    A new botocore session loads the S3 service model again (about half a second, for
+    every ``Storage`` built); a client of a loaded session takes milliseconds. The
+    process id is part of the keys: a forked child makes its own (sockets are not
+    shared).
     """
     import botocore.session
     from botocore.config import Config

@@ -169,12 +169,11 @@ class LocalFile(SnapshotFile):
     :class:`~ckpt.loading.reader.Scattered` of map views and destinations, which the loader
     checks (in the destination, after the copy) and uses in place: one copy, no buffer.
 
-    Why a copy from the map and not a ``read``: measured here (256 MB, one process, pages
-    as a save leaves them) the map's copy took 0.022-0.026 s and a ``preadv`` 0.042-0.052
-    (tmpfs reads go page by page). After a page-cache drop (``drop_caches``, or
-    ``POSIX_FADV_DONTNEED`` on the file) the map's copy takes 0.06 s, as the kernel's
-    fault-around skips pages it marked for reclaim (see ``bench.memory_tier.AFTER_DROP``),
-    and the read 0.05 s.
+    Why a copy from the map and not a ``read``: with the pages as a save leaves them the
+    map's copy takes about half the time of a ``preadv`` (tmpfs reads go page by page).
+    After a page-cache drop (``drop_caches``, or ``POSIX_FADV_DONTNEED`` on the file) the
+    map's copy is no faster than the read, as the kernel's fault-around skips pages it
+    marked for reclaim (see ``bench.memory_tier.AFTER_DROP``).
     """
 
     def __init__(
@@ -362,7 +361,8 @@ def register(key: str, files: dict[str, SnapshotFile]) -> str:
 def release(key: str) -> None:
     """Forget the files under ``key``: every receive settled here (gloo may still write
     into a piece until then); the maps are closed by a background thread (unmapping a
-    few hundred MB of page tables took ~25 ms, none of which the resume needs to wait)."""
+    few hundred MB of page tables takes tens of milliseconds, which the resume need not
+    wait for)."""
     with SnapshotFileSystem._lock:
         files = SnapshotFileSystem._stores.pop(key, {})
     maps = [f for f in files.values() if isinstance(f, MappedFile | LocalFile)]

@@ -138,8 +138,8 @@ class SlotInfo:
 
 def compact_manifest(manifest: Manifest) -> bytes:
     """``manifest.json`` without indentation: ``Manifest.to_bytes`` indents, which makes
-    ``json`` use its pure-Python encoder (~3 ms for the chunks of a snapshot, every
-    snapshot). The same fields; ``Manifest.from_bytes`` reads either."""
+    ``json`` use its pure-Python encoder (milliseconds for the chunks of a snapshot, at
+    every snapshot). The same fields; ``Manifest.from_bytes`` reads either."""
     data = json.loads(Manifest.to_bytes(_empty_like(manifest)))
     data["files"] = [{"path": e.path, "size": e.size, "crc32c": e.crc32c} for e in manifest.files]
     data["chunks"] = manifest.chunks

@@ -26,10 +26,9 @@ Collective over the tier's gloo groups, in three calls the manager makes in orde
    tensor are received straight into that tensor (:func:`_segments`; where they lie in
    the item is read from the sender's node, :func:`ckpt.format.tensorblob.data_layout`); only
    the items' headers land in new buffers. A restarted process so receives into memory
-   it already touched (its parameters and optimizer state) and copies nothing: measured
-   (512 MB state, 2 ranks, one node lost, this 2-core machine, back to back) the peer
-   restore went from 0.59 s to 0.44 s and the receiving load's wait for its bytes from
-   0.36 s to 0.14 s. :meth:`Restore.release` waits for every transfer.
+   it already touched (its parameters and optimizer state) and copies nothing, which
+   shortens the peer restore and, most of all, the receiving load's wait for its bytes
+   (bench ``memory_tier``). :meth:`Restore.release` waits for every transfer.
 3. :func:`prune`: keep only the snapshot resumed from (none after a durable resume):
    anything else here is older, or newer but unusable, a history this run did not take.
 """
@@ -430,11 +429,11 @@ class _Sender:
 
     Why a thread: gloo writes a send into its socket in the calling thread while the
     socket takes it (only what is left goes to gloo's own thread). When the receiving
-    rank drains as fast as that, posting every send from the loading thread made it copy
-    all the shipped bytes before its own load could start: measured (512 MB state, 2
-    ranks, one node lost, this 2-core machine) the peer restore took 0.23-0.32 s in about
-    one run of four, against 0.19-0.21 s otherwise; posted from here, 0.19-0.21 s in every
-    run. A send's buffer is read by gloo until :meth:`settle` has waited for it.
+    rank drains as fast as that, posting every send from the loading thread can make it
+    copy all the shipped bytes before its own load starts, a restore slower by that copy
+    in some runs; posted from a thread of their own, the sends leave the loading thread
+    free from the start. A send's buffer is read by gloo until :meth:`settle` has waited
+    for it.
     """
 
     def __init__(self, group: Any, sends: list[tuple[torch.Tensor, int, int]]) -> None:

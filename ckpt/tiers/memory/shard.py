@@ -1,10 +1,10 @@
 """One rank's shard file of a memory snapshot: DCP's format, written without re-planning.
 
 A memory snapshot (:mod:`ckpt.tiers.memory.tier`) is taken every few steps, so the fixed
-costs of a save matter more than its bytes. Measured on the tiny GPT (140 items per
-rank, 0.8 MB): planning a DCP save (local plans pickled, gathered, the global plan
-scattered, results gathered) cost ~60 ms and ``torch.save`` ~0.2 ms per item whatever
-its size, so a plain ``dcp.save`` took ~125 ms for a step of ~150 ms.
+costs of a save matter more than its bytes. For a small state (the tiny GPT: 140 items
+per rank, under 1 MB), planning a DCP save (local plans pickled, gathered, the global
+plan scattered, results gathered) and ``torch.save``'s fixed cost per item, whatever
+its size, make a plain ``dcp.save`` cost nearly as much as a training step.
 
 Here the plan is made once, collectively, exactly as a durable save plans it
 (``dcp.save`` with :class:`~ckpt.saving.writer.BlockSavePlanner`), and each tensor item's
