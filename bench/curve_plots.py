@@ -14,8 +14,9 @@ from typing import Any
 COLUMNS = 3
 DPI = 64
 """Small files (BENCHMARKS.md shows them): ~40-70 KB per curve at this resolution."""
-COLORS = {"ours": "tab:blue", "dcp": "tab:orange", "local": "tab:blue", "gcs": "tab:green"}
-LABELS = {"dcp": "DCP", "gcs": "GCS emulator"}
+COLORS = {"ours": "tab:blue", "dcp": "tab:orange", "local": "tab:blue", "gcs": "tab:green",
+          "s3": "tab:red"}  # fmt: skip
+LABELS = {"dcp": "DCP", "gcs": "GCS emulator", "s3": "S3 (moto)"}
 UNITS = {"s": "seconds", "ratio": "ratio", "bytes": "bytes", "calls": "calls"}
 
 

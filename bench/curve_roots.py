@@ -1,7 +1,7 @@
 """Cost curve 4: many committed checkpoints under one root (:mod:`bench.curves`).
 
-A root of ``n`` committed checkpoints of a tiny state, on local disk and on the GCS
-emulator: steps 10, 20, ..., 10 (n - 4) and the four after the last of them
+A root of ``n`` committed checkpoints of a tiny state, on local disk, on the GCS
+emulator and on a moto S3 server: steps 10, 20, ..., 10 (n - 4) and the four after the last of them
 (:func:`root_steps`), so that retention keeping the newest 3 and every multiple of 10
 (:data:`PRUNE_POLICY`) deletes exactly one checkpoint whatever ``n`` is, as a run with
 ``keep_every`` does after each commit. Per root, timed, every storage call counted by
@@ -149,10 +149,20 @@ def clone_checkpoint(template: str, out_root: str, step: int) -> None:
         f.write(marker.to_bytes())
 
 
-def _gcs_fs() -> Any:
+def _remote_fs(root: str) -> Any:
+    """The fsspec filesystem of a ``gs://`` (the emulator, anonymous) or ``s3://`` root
+    (credentials and endpoint from the environment the bench set)."""
+    if root.startswith("s3://"):
+        import s3fs
+
+        return s3fs.S3FileSystem(skip_instance_cache=True)
     import gcsfs
 
     return gcsfs.GCSFileSystem(token="anon")
+
+
+def _remote_path(root: str) -> str:
+    return root.split("://", 1)[1]
 
 
 def place(template: str, root: str, steps: list[int], staging: str) -> None:
@@ -168,8 +178,8 @@ def place(template: str, root: str, steps: list[int], staging: str) -> None:
     from bench.disk import files_under
 
     files = files_under(staging)
-    remote = root.removeprefix("gs://")
-    _gcs_fs().put(files, [f"{remote}/{os.path.relpath(f, staging)}" for f in files])
+    remote = _remote_path(root)
+    _remote_fs(root).put(files, [f"{remote}/{os.path.relpath(f, staging)}" for f in files])
     shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -285,4 +295,4 @@ def _remove_root(root: str) -> None:
         shutil.rmtree(root, ignore_errors=True)
         return
     with contextlib.suppress(FileNotFoundError):
-        _gcs_fs().rm(root.removeprefix("gs://"), recursive=True)
+        _remote_fs(root).rm(_remote_path(root), recursive=True)

@@ -16,9 +16,9 @@ DCP does the same job (:mod:`bench.curve_rounds`):
    ranks of this machine: save, load, a resharding load (16 -> 4 in full mode), the
    collectives of one save (count on rank 0, bytes over all ranks), rank 0's share of the
    save (its coordinator-only phases / the save's time);
-4. ``checkpoints``: roots of :attr:`CurvesMode.root_counts` committed checkpoints, local
-   and on the GCS emulator (:mod:`bench.curve_roots`): resume, discovery, ``ckpt ls``,
-   retention's prune, ``ckpt gc``, storage calls counted;
+4. ``checkpoints``: roots of :attr:`CurvesMode.root_counts` committed checkpoints, local,
+   on the GCS emulator and on a moto S3 server (:mod:`bench.curve_roots`): resume,
+   discovery, ``ckpt ls``, retention's prune, ``ckpt gc``, storage calls counted;
 5. ``memory``: the memory tier's snapshot stall and the restores (peer, cold disk) vs
    state bytes (:mod:`bench.memory_tier`), and ``fault_cost_s`` of a kill job per trainer
    model size (:mod:`bench.fault_cost`; full mode only: a job takes a minute or more).
@@ -237,18 +237,38 @@ def _gcs_bucket(name: str) -> Iterator[str | None]:
         yield f"gs://{name}"
 
 
+@contextlib.contextmanager
+def _s3_bucket(name: str) -> Iterator[str | None]:
+    """``s3://name`` on a fresh moto server process (environment set for spawned
+    processes), or None when it cannot start here (moto not installed)."""
+    from bench.harness.s3_server import s3_in_environ, start_s3_server
+
+    try:
+        server = start_s3_server()
+    except Exception:
+        yield None
+        return
+    with s3_in_environ(server):
+        server.create_bucket(name)
+        yield f"s3://{name}"
+
+
 def _checkpoints_curve(work: str, mode: CurvesMode, progress: Progress) -> dict[str, Any]:
     from bench.curve_roots import roots_rounds
 
-    with _gcs_bucket("curves") as bucket:
+    with _gcs_bucket("curves") as gcs, _s3_bucket("curves") as s3:
         bases = {"local": os.path.join(work, "roots")}
-        if bucket is not None:
-            bases["gcs"] = f"{bucket}/roots"
+        if gcs is not None:
+            bases["gcs"] = f"{gcs}/roots"
+        if s3 is not None:
+            bases["s3"] = f"{s3}/roots"
         progress(f"curves: checkpoints, roots of {list(mode.root_counts)} on {', '.join(bases)}")
         got = on_ranks(roots_rounds, 1, work, bases, list(mode.root_counts), mode.root_rounds,
                            timeout_s=mode.timeout_s)[0]  # fmt: skip
-    if bucket is None:
+    if gcs is None:
         got["gcs_status"] = "not run: fake-gcs-server did not start"
+    if s3 is None:
+        got["s3_status"] = "not run: the moto S3 server did not start"
     return got
 
 

@@ -45,6 +45,7 @@ TARGETS: dict[str, tuple[float, str]] = {
     "curve_rank0_share_exp": (0.2, "<="),
     "curve_discovery_local": (2.0, "<="),
     "curve_discovery_gcs": (2.0, "<="),
+    "curve_discovery_s3": (2.0, "<="),
     "curve_save_memory": (0.5, "<="),
 }
 """The one table of metrics: name -> (target, direction), in report order.
@@ -81,6 +82,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "curve_rank0_share_exp",
         "curve_discovery_local",
         "curve_discovery_gcs",
+        "curve_discovery_s3",
         "curve_save_memory",
     ),
 }
@@ -797,6 +799,7 @@ def curve_metrics(curves: dict[str, Any]) -> list[Metric]:
     out.append(_exponent_metric("curve_rank0_share_exp", curves, "ranks", "rank 0 share"))
     out.append(_discovery_metric("curve_discovery_local", curves, "local"))
     out.append(_discovery_metric("curve_discovery_gcs", curves, "gcs"))
+    out.append(_discovery_metric("curve_discovery_s3", curves, "s3"))
     line = _line(curves, "bytes", "save RSS growth / state")
     if line is None:
         out.append(missing("curve_save_memory", _why_curve(curves, "bytes")))

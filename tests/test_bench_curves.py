@@ -130,7 +130,7 @@ def _raw():
     ops = {
         base: {n: {op: {"s": [f * (1 + n / 1000)], "calls": {"list": 1}} for op in
                    ("resume", "discovery", "ls", "prune", "gc")} for n in (10, 100, 1000)}
-        for base, f in (("local", 0.01), ("gcs", 0.02))
+        for base, f in (("local", 0.01), ("gcs", 0.02), ("s3", 0.03))
     }  # fmt: skip
     ops["gcs"][1000]["resume"]["s"] = [0.02 * 3]  # 3x its time at 10: a miss
     return {
@@ -189,6 +189,8 @@ def test_curve_metrics_are_the_group_and_say_what_they_measured():
     assert got["curve_discovery_local"].value == pytest.approx(2.0 / 1.01, rel=1e-3)
     assert got["curve_discovery_gcs"].value == pytest.approx(0.06 / 0.0202, rel=1e-3)
     assert not got["curve_discovery_gcs"].ok
+    assert got["curve_discovery_s3"].value == pytest.approx(2.0 / 1.01, rel=1e-3)
+    assert got["curve_discovery_s3"].detail["backend"] == "s3"
     assert got["curve_save_memory"].value == pytest.approx(0.4)
 
 
@@ -301,7 +303,7 @@ def test_the_group_on_a_tiny_configuration_writes_plots_json_and_every_metric(tm
     assert list(by_name) == list(m.GROUPS["curves"])
     for name in ("curve_save_bytes_exp", "curve_load_bytes_exp", "curve_save_tensors_exp",
                  "curve_load_tensors_exp", "curve_vs_dcp", "curve_discovery_local",
-                 "curve_save_memory"):  # fmt: skip
+                 "curve_discovery_gcs", "curve_discovery_s3", "curve_save_memory"):  # fmt: skip
         assert math.isfinite(by_name[name].value), (name, by_name[name].detail)
     assert "10,000" in by_name["curve_many_tensors_vs_dcp"].detail["status"]
     assert "status" in by_name["curve_rank0_share_exp"].detail or math.isnan(
@@ -318,6 +320,7 @@ def test_the_group_on_a_tiny_configuration_writes_plots_json_and_every_metric(tm
             fitted = m.growth_exponent(line["x"], values)
             assert line["exponents"][side] == pytest.approx(fitted, nan_ok=True)
     assert curves["checkpoints"]["series"]["resume"]["x"] == [5.0, 8.0]
+    assert set(curves["checkpoints"]["series"]["resume"]["lines"]) == {"local", "gcs", "s3"}
     assert curves["memory"]["series"] == {}  # nothing asked of curve 5
     for name in ("bytes", "tensors", "ranks", "checkpoints"):
         png = (plots / f"{name}.png").read_bytes()

@@ -59,6 +59,7 @@ SPEC = [
     ("curve_rank0_share_exp", 0.2, "<="),
     ("curve_discovery_local", 2.0, "<="),
     ("curve_discovery_gcs", 2.0, "<="),
+    ("curve_discovery_s3", 2.0, "<="),
     ("curve_save_memory", 0.5, "<="),
 ]
 
