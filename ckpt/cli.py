@@ -27,7 +27,15 @@ from ckpt.lifecycle.lease import read_lease
 from ckpt.lifecycle.quarantine import parse_quarantined_dirname, record_matches
 from ckpt.lifecycle.quarantine import read_record as read_quarantine_record
 from ckpt.lifecycle.retention import RetentionPolicy, apply_retention
-from ckpt.loading.discovery import FOREIGN, PARTIAL, QUARANTINED, RENAMED, Catalog, resolve
+from ckpt.loading.discovery import (
+    FOREIGN,
+    PARTIAL,
+    QUARANTINED,
+    RENAMED,
+    Catalog,
+    require_root,
+    resolve,
+)
 from ckpt.loading.reader import ShardReader
 from ckpt.loading.verify import (
     MODE_CHECKSUM,
@@ -62,7 +70,7 @@ def shown(text: object) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    catalog = Catalog(Storage(args.url))  # one listing for checkpoints and quarantined ones
+    catalog = Catalog(require_root(args.url))  # one listing for checkpoints and quarantined ones
     infos = list(catalog)
     aside = catalog.quarantined()
     foreign = catalog.foreign()
@@ -397,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ckpt",
         description="Inspect and maintain checkpoints written by ckpt.save. URL is a checkpoint "
-        "root (local path, file://, memory://, gs://bucket/prefix) or one checkpoint directory.",
+        "root (local path, file://, memory://, gs://bucket/prefix, s3://bucket/prefix) or one checkpoint directory.",
         epilog="Exit codes: 0 ok, 1 verification failed / nothing committed, 2 error.",
     )
     parser.add_argument(

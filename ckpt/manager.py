@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -232,6 +233,7 @@ class CheckpointManager:
         self._closed = False
         self._final_step: int | None = None
         self._said_after_final = False
+        self._last_step: int | None = None
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -355,6 +357,7 @@ class CheckpointManager:
         same step save one capture of the state.
         """
         self._say_stepping_after_final(step)
+        self._last_step = step
         if final:
             self._final_step = step
         request = SaveRequest(step, self._state, final=final)
@@ -496,11 +499,31 @@ class CheckpointManager:
                 logger.error("rank %d: closing the %s tier failed: %s", self.rank, tier.name, exc)
             except BaseException as exc:  # the other tiers and the lease are closed first
                 failure = failure or exc
+        self._say_unsaved_tail()
         self._group = self._saves.group = None
         if self.lease is not None:
             self.lease.close()  # released: the next job on this root starts at once
         if failure is not None:
             raise failure
+
+    def _say_unsaved_tail(self) -> None:
+        """WARNING (rank 0) at a normal close when the last steps given to ``maybe_save``
+        are newer than the newest commit: a loop that never passed ``final=True`` (or
+        called ``save``) loses them, and a relaunch starts before them."""
+        last, committed = self._last_step, self.last_committed_step
+        if sys.exc_info()[0] is not None:  # closed by an __exit__ on the way out of an error
+            return
+        if self.rank != 0 or last is None or self._final_step is not None:
+            return
+        if committed is not None and committed >= last:
+            return
+        logger.warning(
+            "rank 0: closing after step %d, but the newest checkpoint is %s: the steps since "
+            "are in no checkpoint and a relaunch repeats them. Pass final=True to the last "
+            "maybe_save (maybe_save(step, final=step == max_steps)) or call save(step) before "
+            "close",
+            last, "none" if committed is None else f"step {committed}",
+        )  # fmt: skip
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -490,7 +490,8 @@ class RunGuard:
         (``continue``) and start a fresh iterator over the data; :meth:`steps` goes on after
         the restored step. Reads the loss on the host (one device sync).
         """
-        value = float(loss)
+        detach = getattr(loss, "detach", None)  # a tensor that requires grad: no torch warning
+        value = float(detach() if detach is not None else loss)
         bad = not math.isfinite(value)
         if not reduced:
             from elastic.collectives import all_reduce_max_ints  # torch, only when needed

@@ -495,3 +495,9 @@ def test_the_public_functions_survive_importing_every_room_of_the_package():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) > 40  # every module was imported
+
+
+def test_storage_options_never_print_their_credentials():
+    options = StorageOptions(fs_kwargs={"key": "AKIAEXAMPLE", "secret": "s3cr3t-value"})
+    assert "s3cr3t-value" not in repr(options) and "AKIAEXAMPLE" not in str(options)
+    assert options.fs_kwargs["secret"] == "s3cr3t-value"  # still passed to the filesystem

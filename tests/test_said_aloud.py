@@ -160,11 +160,41 @@ def test_an_lr_scheduler_left_out_of_the_state_is_said_when_the_manager_is_built
 def test_a_sampler_left_out_of_the_state_is_said_at_the_first_save(forgetful):
     lines = [li for li in forgetful.stderr.splitlines() if "in no checkpoint manager's" in li]
     assert len(lines) == 1, forgetful.stderr  # the first save only
-    assert "step 2: a ElasticSampler at sample cursor 16" in lines[0]
+    assert "step 2: an ElasticSampler at sample cursor 16" in lines[0]
 
 
 def test_a_loop_that_goes_on_after_its_final_save_is_said_at_the_next_step(forgetful):
     assert "step 5: training goes on after the final save at step 4" in forgetful.stderr
+
+
+NO_FINAL_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import ckpt
+
+    root, fail = sys.argv[1], sys.argv[2] == "fail"
+    model = torch.nn.Linear(8, 2)
+    with ckpt.CheckpointManager(root, {"model": model}, every=4) as manager:
+        for step in range(1, 11):
+            manager.maybe_save(step)  # no final=: steps 9 and 10 are never saved
+        if fail:
+            raise RuntimeError("boom")
+    """
+)
+
+
+def test_a_loop_that_never_saves_its_last_steps_is_said_at_close(tmp_path, forgetful):
+    script = tmp_path / "no_final.py"
+    script.write_text(NO_FINAL_SCRIPT)
+    done = run(str(script), str(tmp_path / "ckpt"), "ok")
+    assert done.returncode == 0, done.stderr
+    assert "closing after step 10, but the newest checkpoint is step 8" in done.stderr
+    assert "final=True" in done.stderr
+    failed = run(str(script), str(tmp_path / "ckpt2"), "fail")  # an error on the way out
+    assert failed.returncode != 0 and "boom" in failed.stderr
+    assert "closing after step" not in failed.stderr
+    assert "closing after step" not in forgetful.stderr  # it passed final=True
 
 
 LR_SCRIPT = textwrap.dedent(

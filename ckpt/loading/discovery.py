@@ -23,6 +23,7 @@ here (``python -m ckpt ls`` shows the lease itself).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -278,12 +279,32 @@ def resolve(url: str, step: int | None = None) -> tuple[Storage, CheckpointInfo]
             raise ValueError(f"{url} is the checkpoint of step {dir_step}, not step {step}")
         storage = Storage(parent or "/")
         return storage, inspect_dir(storage, dirname)
-    storage = Storage(url)
+    from ckpt.errors import CheckpointNotFoundError
+
+    storage = require_root(url)
     if step is not None:
+        catalog = Catalog(storage)
+        steps = [info.step for info in catalog]
+        if step not in steps:
+            committed = [info.step for info in catalog if info.committed]
+            raise CheckpointNotFoundError(
+                f"no checkpoint of step {step} under {url}; committed steps: "
+                + (", ".join(map(str, sorted(committed))) if committed else "none")
+            )
         return storage, inspect_dir(storage, checkpoint_dirname(step))
     latest = find_latest_committed(storage)
     if latest is None:
-        from ckpt.errors import CheckpointNotFoundError
-
         raise CheckpointNotFoundError(f"no committed checkpoint under {url}")
     return storage, latest
+
+
+def require_root(url: str) -> Storage:
+    """The storage of root ``url``; a local root that does not exist is an error naming it
+    (a typo in a path is not "no checkpoints")."""
+    from ckpt.errors import CheckpointDirError
+
+    storage = Storage(url)
+    if storage.backend.scheme == "file" and not os.path.isdir(storage.path()):
+        what = "is not a directory" if os.path.lexists(storage.path()) else "does not exist"
+        raise CheckpointDirError(f"checkpoint root {url!r} {what}")
+    return storage

@@ -251,13 +251,14 @@ def _set_aside(
         cat.mark(skip.step, QUARANTINED, skip.reason)
         logger.warning(
             "ckpt: quarantined %s (%s); its files are kept at %s, step %d can be saved again "
-            "(`python -m ckpt verify %s` checks them, `python -m ckpt gc --quarantined` "
+            "(`python -m ckpt verify %s` checks them, `python -m ckpt gc %s --quarantined` "
             "removes them)",
             skip.url,
             skip.reason,
             kept.url,
             skip.step,
             kept.url,
+            cat.storage.root_url,
         )
         return kept.url
 

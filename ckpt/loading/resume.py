@@ -333,19 +333,20 @@ class ResumeWalk:
             run_id=result.manifest.attempt.run_id,
         )
         if self.rank == 0:
-            logger.warning(
-                "rank 0: resumed step %d from %s (%s tier, world size %d -> %d, RNG %s, %.2f s)",
-                loaded_step, url, tier.name, old_world, self.world_size,
-                "restored" if rng_restored else "re-derived", info.duration_s,
-            )  # fmt: skip
             this_run = env.run_identity()[0]
-            if info.run_id != this_run:
-                logger.warning(
-                    "rank 0: step %d was written by run %r, not by this run %r: this job "
-                    "continues another run's training (a relaunch under a new run id, a "
-                    "requeue, or a root shared by mistake: check --ckpt-dir)",
-                    loaded_step, info.run_id, this_run,
-                )  # fmt: skip
+            # One line: a relaunch under a new run id is the usual case, and a root shared
+            # by mistake is the rare one the run ids let a reader see.
+            other = (
+                f"; step {loaded_step} was written by run {info.run_id!r}, not by this run "
+                f"{this_run!r} (a relaunch or a requeue; if not, check --ckpt-dir)"
+                if info.run_id != this_run
+                else ""
+            )
+            logger.warning(
+                "rank 0: resumed step %d from %s (%s tier, world size %d -> %d, RNG %s, %.2f s)%s",
+                loaded_step, url, tier.name, old_world, self.world_size,
+                "restored" if rng_restored else "re-derived", info.duration_s, other,
+            )  # fmt: skip
         extra = {"tier": tier.name} if self._tier_names else {}
         self._emit(
             ev.RESUME,

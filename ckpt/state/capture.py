@@ -111,11 +111,12 @@ class StateCapture:
         for position in _positions.unclaimed_moved():
             cursor = int(position.data_position()["cursor"])
             logger.warning(
-                "rank 0 step %d: a %s at sample cursor %d is in no checkpoint manager's "
+                "rank 0 step %d: %s %s at sample cursor %d is in no checkpoint manager's "
                 "state: after a restart it starts again at sample 0 and the run replays "
                 "its data. Put it in the state: CheckpointManager(root, {..., \"sampler\": "
                 "sampler})",
-                step, type(position).__name__, cursor,
+                step, "an" if type(position).__name__[:1] in "AEIOU" else "a",
+                type(position).__name__, cursor,
             )  # fmt: skip
 
     def detect_per_rank(self, state: dict[str, Any], meta: dict[str, Any]) -> None:

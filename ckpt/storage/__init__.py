@@ -93,9 +93,9 @@ class StorageOptions:
     """Longest wait between two attempts."""
     fsync: bool = True
     """fsync local files before close (durability)."""
-    fs_kwargs: dict[str, Any] = field(default_factory=dict)
+    fs_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
     """Extra keyword arguments for the fsspec filesystem (e.g. ``token``, ``project``,
-    ``endpoint_url``)."""
+    ``endpoint_url``). Not in the repr: they may hold credentials (``key``, ``secret``)."""
     transfer: Any = None
     """Tuning of the root's backend, an object of its own options class (how objects are
     cut into parallel part uploads and ranged reads: e.g.
