@@ -122,9 +122,18 @@ def test_fast_verify_says_sizes_only(populated, capsys):
 
 
 def test_verify_and_inspect_of_an_empty_root_exit_1(tmp_root, capsys):
+    os.makedirs(tmp_root, exist_ok=True)
     assert main(["verify", tmp_root]) == 1
     assert "no committed checkpoint" in capsys.readouterr().err
     assert main(["inspect", tmp_root]) == 1
+
+
+def test_a_root_that_does_not_exist_is_an_error_not_an_empty_root(tmp_path, capsys):
+    typo = str(tmp_path / "no-such-root")
+    for command in ("ls", "verify", "inspect"):
+        assert main([command, typo]) == 2, command
+        assert f"checkpoint root {typo!r} does not exist" in capsys.readouterr().err
+    assert not os.path.exists(typo)  # nothing was created
 
 
 def test_inspect_shows_manifest_summary(populated, capsys):
@@ -202,3 +211,11 @@ def test_a_reader_gone_before_any_output_gets_no_traceback(populated, command):
     assert result.stderr == "", result.stderr
     assert result.returncode == 0
     assert len(ckpt.list_checkpoints(populated)) == 4  # a dry run deletes nothing
+
+
+def test_verify_of_a_step_that_never_existed_names_the_committed_ones(populated, capsys):
+    assert main(["verify", populated, "--step", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "no checkpoint of step 3" in err and "committed steps: 10, 20, 30" in err
+    assert main(["verify", populated, "--step", "40"]) == 1  # the partial one is still named
+    assert "not committed (partial)" in capsys.readouterr().out
