@@ -6,6 +6,7 @@ import base64
 import io
 import itertools
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -233,6 +234,91 @@ def test_shape_mismatch_names_tensor_and_both_shapes(any_root):
         ckpt.load(wrong, any_root)
 
 
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def _trained(optim_type=torch.optim.AdamW, **kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 2))
+    optim = optim_type(model.parameters(), lr=0.1, **kwargs)
+    return model, optim
+
+
+def _step(model, optim) -> None:
+    model(torch.randn(3, 6, generator=torch.Generator().manual_seed(7))).pow(2).sum().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _assert_optim_equal(want: torch.optim.Optimizer, got: torch.optim.Optimizer) -> None:
+    assert len(got.state) == len(want.state) > 0
+    for index, (p_want, p_got) in enumerate(zip(want.state.values(), got.state.values())):
+        assert set(p_got) == set(p_want), index
+        for name, value in p_want.items():
+            assert torch.equal(value, p_got[name]), (index, name)  # bitwise, step included
+
+
+@pytest.mark.parametrize(
+    "optim_type, kwargs",
+    [
+        (torch.optim.AdamW, {}),
+        (torch.optim.Adam, {"amsgrad": True}),
+        (torch.optim.SGD, {"momentum": 0.9}),
+    ],
+)
+def test_load_into_a_fresh_optimizer_object_restores_its_state(
+    tmp_root, optim_type, kwargs, caplog
+):
+    model, optim = _trained(optim_type, **kwargs)
+    _step(model, optim)
+    ckpt.save({"model": model.state_dict(), "optim": optim.state_dict()}, tmp_root, 1)
+
+    model2, optim2 = _trained(optim_type, **kwargs)  # never stepped: no state yet
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        result = ckpt.load({"model": model2, "optim": optim2}, tmp_root)
+    assert result.not_loaded == [] and not _warnings(caplog)
+    _assert_optim_equal(optim, optim2)
+    # and it trains on exactly as the original does
+    _step(model, optim)
+    _step(model2, optim2)
+    _assert_optim_equal(optim, optim2)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_values_the_state_has_no_place_for_are_reported_and_said(tmp_root, caplog):
+    model, optim = _trained()
+    _step(model, optim)
+    ckpt.save({"model": model.state_dict(), "optim": optim.state_dict(), "epoch": 3}, tmp_root, 1)
+
+    model2, optim2 = _trained()
+    state = {"model": model2.state_dict(), "optim": optim2.state_dict()}  # no 'state' entries
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        result = ckpt.load(state, tmp_root)
+    expected = sorted(
+        f"optim.state.{i}.{name}" for i in range(4) for name in ("exp_avg", "exp_avg_sq", "step")
+    )
+    assert result.not_loaded == expected  # "epoch" was not asked for: not listed
+    said = _warnings(caplog)
+    assert len(said) == 1 and "12 value(s)" in said[0] and "optim.state.0.exp_avg" in said[0]
+    assert "pass the optimizer object" in said[0] and "get_state_dict" in said[0]
+    assert torch.equal(state["model"]["0.weight"], model.state_dict()["0.weight"])
+
+    caplog.clear()  # a subset of the top-level keys is a choice, not a loss: silent
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        result = ckpt.load({"model": _trained()[0].state_dict()}, tmp_root)
+    assert result.not_loaded == [] and not _warnings(caplog)
+
+
+def test_an_optimizer_saved_before_its_first_step_loads_into_a_fresh_one(tmp_root):
+    model, optim = _trained()
+    ckpt.save({"model": model, "optim": optim}, tmp_root, 0)
+    model2, optim2 = _trained()
+    result = ckpt.load({"model": model2, "optim": optim2}, tmp_root)
+    assert result.not_loaded == [] and not optim2.state  # nothing invented for it
+
+
 def test_committed_checkpoint_is_never_overwritten(any_root):
     ckpt.save(make_state(1), any_root, 1)
     with pytest.raises(ckpt.CheckpointExistsError, match="already committed"):
@@ -276,6 +362,7 @@ def test_relaunch_under_the_same_run_id_is_not_fenced(any_root, monkeypatch):
     import time
 
     from ckpt.saving import commit
+
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
     ckpt.save(make_state(1), any_root, 10)

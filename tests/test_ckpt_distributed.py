@@ -133,6 +133,29 @@ def test_fsdp2_save_on_4_load_on_2_3_and_3_to_4(tmp_path):
     assert_full_equal(original, plain)
 
 
+def objects_save_worker(rank: int, world: int, root: str) -> dict | None:
+    model, optim = build(seed=5)
+    train_steps(model, optim, 2, rank)
+    ckpt.save({"model": model, "optim": optim}, root, 2)
+    full = full_state(model, optim)
+    return full if rank == 0 else None
+
+
+def objects_load_worker(rank: int, world: int, root: str) -> dict:
+    model, optim = build(seed=999)  # never stepped: its state_dict() has no 'state' yet
+    result = ckpt.load({"model": model, "optim": optim}, root)
+    full = full_state(model, optim)
+    return {"not_loaded": result.not_loaded, "full": full if rank == 0 else None}
+
+
+def test_fsdp2_optimizer_objects_load_into_never_stepped_ones(tmp_path):
+    root = str(tmp_path / "ckpts")
+    original = run_ok(objects_save_worker, 2, root)[0]
+    loaded = run_ok(objects_load_worker, 2, root)
+    assert [r["not_loaded"] for r in loaded] == [[], []]
+    assert_full_equal(original, loaded[0]["full"])
+
+
 def killed_mid_save_worker(rank: int, world: int, root: str) -> str:
     model, optim = build(seed=5)
     train_steps(model, optim, 1, rank)

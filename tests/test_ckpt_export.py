@@ -10,6 +10,7 @@ error and leaves nothing behind.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -161,6 +162,24 @@ def test_rename_by_dict_and_by_callable_and_none_drops(saved, tmp_path):
     with pytest.raises(ExportError, match="must be unique"):
         export(root, str(tmp_path / "dup"), rename=lambda name: "same")
     assert not os.path.exists(tmp_path / "dup") and _leftovers(tmp_path) == []
+
+
+def test_a_rename_entry_that_matches_no_tensor_is_said_at_warning(saved, tmp_path, caplog):
+    root, full = saved
+    table = {"0.weight": "embed.weight", "0.wieght": "typo", "9.bias": "gone"}
+    with caplog.at_level(logging.WARNING, logger="ckpt.interop.export"):
+        out = export(root, str(tmp_path / "t"), rename=table)
+    said = [r.getMessage() for r in caplog.records if "rename entr" in r.getMessage()]
+    assert len(said) == 1 and "2 rename entries" in said[0]
+    assert "'0.wieght'" in said[0] and "'9.bias'" in said[0] and "'0.weight'" not in said[0]
+    got = load_file(os.path.join(out.out, "model.safetensors"))
+    _assert_equal_states(got, {table.get(n, n): t for n, t in full.items()})
+
+    caplog.clear()  # every entry matches, or a callable: nothing said
+    with caplog.at_level(logging.WARNING, logger="ckpt.interop.export"):
+        export(root, str(tmp_path / "ok"), rename={"0.weight": "embed.weight"})
+        export(root, str(tmp_path / "fn"), rename=lambda name: name)
+    assert not [r for r in caplog.records if "rename entr" in r.getMessage()]
 
 
 def test_cli_exports_with_a_json_rename_table_and_a_config(saved, tmp_path, capsys):

@@ -250,6 +250,24 @@ def _renamer(rename: Rename | None) -> Callable[[str], str | None]:
     raise TypeError(f"rename must be a callable or a dict, got {type(rename).__name__}")
 
 
+def _say_unmatched(table: Mapping[str, Any], names: set[str], model_key: str, url: str) -> None:
+    """WARNING naming the rename-table entries that match no item under ``model_key``."""
+    unmatched = [name for name in table if name not in names]
+    if not unmatched:
+        return
+    logger.warning(
+        "ckpt export: %d rename entr%s match%s no item under %r and %s ignored: %s; check the "
+        "names (`python -m ckpt inspect %s` lists them)",
+        len(unmatched),
+        "y" if len(unmatched) == 1 else "ies",
+        "es" if len(unmatched) == 1 else "",
+        model_key,
+        "is" if len(unmatched) == 1 else "are",
+        ", ".join(repr(n) for n in unmatched[:10]) + (" ..." if len(unmatched) > 10 else ""),
+        url or "CHECKPOINT",
+    )
+
+
 def plan_tensors(
     metadata: Metadata,
     *,
@@ -261,7 +279,9 @@ def plan_tensors(
     """The tensors to export in stored order, and the non-tensor items skipped.
 
     ``rename`` maps a model name to the output name (None drops the tensor); names it
-    does not list stay as they are. ``dtype`` casts floating tensors only.
+    does not list stay as they are. Entries of a rename table that name no item of the
+    model (a typo) are said at WARNING; a callable is not checked. ``dtype`` casts
+    floating tensors only.
     """
     items = _model_items(metadata, model_key)
     if not items:
@@ -271,6 +291,8 @@ def plan_tensors(
             "with --model-key"
         )
     name_of = _renamer(rename)
+    if isinstance(rename, Mapping):
+        _say_unmatched(rename, set(items.values()), model_key, url)
     storage = metadata.storage_data or {}
     plans: list[TensorPlan] = []
     skipped: list[str] = []

@@ -74,6 +74,11 @@ class LoadResult:
     bytes_read: int
     duration_s: float
     skipped: list[SkippedCheckpoint] = field(default_factory=list)
+    not_loaded: list[str] = field(default_factory=list)
+    """Checkpoint keys under a top-level key of the state that the state had no place for
+    (e.g. ``optim.state.0.exp_avg`` for a never-stepped optimizer's ``state_dict()``):
+    left in the checkpoint, and said at WARNING. Top-level keys the state does not have
+    are not listed."""
 
 
 def load(
@@ -88,6 +93,7 @@ def load(
     quarantine: bool = True,
     catalog: Catalog | None = None,
     _saver: _async.AsyncSaver | None = None,
+    _partial_template: bool = False,
 ) -> LoadResult | None:
     """Load ``state`` in place from the newest committed checkpoint under ``root``.
 
@@ -102,6 +108,16 @@ def load(
     ``catalog``: the coordinator's listing of ``root`` when the caller already made
     one (:class:`~ckpt.loading.discovery.Catalog`; what it read is not read again); other
     ranks ignore it. Without it, the coordinator lists ``root`` once.
+
+    ``state`` holds state dicts or the objects themselves (anything with
+    ``state_dict()``/``load_state_dict()``: those are called around the load). Pass an
+    optimizer as the object: one that has not stepped yet is given the state its first
+    ``step()`` creates before the load (``Adam``/``AdamW``: zeros, no step run), so it
+    takes the checkpoint's state; its bare ``state_dict()`` has no place for that state.
+    Values the checkpoint holds under a key of ``state`` that ``state`` has no place for
+    are not loaded: they are listed in :attr:`LoadResult.not_loaded` and said at WARNING.
+    ``_partial_template``: the manager's tiers, whose templates leave out on purpose
+    what is not this rank's (other ranks' RNG state), skip that check.
     """
     if not isinstance(root, str):
         raise TypeError(f"root must be a str URL, got {type(root).__name__}")
@@ -149,6 +165,9 @@ def load(
             coll.on_every_rank(
                 f"reading {ckpt_dir.url('.metadata')}", lambda r=reader: _read_metadata(r)
             )
+            stored = reader.read_metadata().state_dict_metadata
+            loadable.make_room(stored)
+            not_loaded = [] if _partial_template else loadable.not_loaded(stored)
             _dcp_load(loadable.plain, reader, coll)
         except StateMismatchError:
             raise
@@ -184,6 +203,8 @@ def load(
         loadable.finish()
         duration = time.monotonic() - started
         bytes_read = reader.bytes_read
+        if not_loaded and coll.is_coordinator:
+            _say_not_loaded(not_loaded, ckpt_dir.root_url)
         if coll.is_coordinator:
             logger.info(
                 "ckpt: loaded step %d from %s (world size %d -> %d, %.2f s)",
@@ -213,6 +234,7 @@ def load(
             bytes_read=bytes_read,
             duration_s=duration,
             skipped=skipped,
+            not_loaded=not_loaded,
         )
     if not skipped:
         refuse_only_quarantined(coll, cat, root)
@@ -233,6 +255,22 @@ def load(
         f"({listing}). Nothing was started from scratch; inspect them with "
         f"`python -m ckpt verify --deep {root}`.",
         reasons,
+    )
+
+
+def _say_not_loaded(not_loaded: list[str], url: str) -> None:
+    """WARNING: values of the checkpoint the state had no place for (the usual cause: an
+    optimizer's ``state_dict()`` before its first ``step()``)."""
+    listed = ", ".join(not_loaded[:5]) + (" ..." if len(not_loaded) > 5 else "")
+    logger.warning(
+        "ckpt: %d value(s) of %s under the keys you passed were NOT loaded: the state to "
+        "load has no place for them (%s). A never-stepped optimizer's state_dict() has no "
+        "'state' entries: pass the optimizer object itself (ckpt.load({'optim': optimizer, "
+        "...}, root)) or a template from torch.distributed.checkpoint.state_dict."
+        "get_state_dict; LoadResult.not_loaded lists them all",
+        len(not_loaded),
+        url,
+        listed,
     )
 
 

@@ -18,12 +18,16 @@ Top-level ``Stateful`` objects are resolved here (``state_dict()`` once), as DCP
 from __future__ import annotations
 
 import collections
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from ckpt.errors import UnsupportedStateError
+from ckpt.state.app_state import init_adam_state
 
 _PLAIN = (bool, int, float, complex, str, bytes, bytearray, torch.Size, torch.dtype, torch.device)
 """Leaf values ``torch.load(weights_only=True)`` reads back (checked for torch 2.13)."""
@@ -90,6 +94,11 @@ class LoadableState:
     numpy objects back (scalars of the same numpy type, now holding the loaded value),
     calls ``load_state_dict`` of each Stateful and sets the other top-level values into
     the caller's dict, as DCP does.
+
+    An optimizer's ``state_dict()`` holds no per-parameter state before its first
+    ``step()``, so a fresh optimizer would take nothing from a checkpoint:
+    :meth:`make_room` gives it that state first, and :meth:`not_loaded` names what
+    still has no place in the state.
     """
 
     def __init__(self, state: dict[str, Any]) -> None:
@@ -103,6 +112,43 @@ class LoadableState:
                 value = value.state_dict()
             self.plain[key] = value
         self._swap(self.plain)
+
+    def make_room(self, stored: Collection[str]) -> None:
+        """Give each never-stepped optimizer passed as an object the state its first
+        ``step()`` creates, when the checkpoint (``stored``: its flattened keys) holds
+        state for it; the manager's templates do the same (:mod:`ckpt.state.app_state`).
+
+        ``Adam``/``AdamW`` get zeros and step 0 (:func:`~ckpt.state.app_state.init_adam_state`);
+        another optimizer takes DCP's zero-learning-rate ``step()``. An optimizer the
+        checkpoint saved fresh (no ``KEY.state.*``) is left alone: a template with state
+        would ask the checkpoint for keys it does not have.
+        """
+        for key, obj in self._statefuls.items():
+            if not isinstance(obj, torch.optim.Optimizer) or obj.state:
+                continue
+            prefix = f"{key}.state."
+            if not any(name.startswith(prefix) for name in stored):
+                continue
+            if not init_adam_state(obj):
+                _init_optim_state(obj)
+            if obj.state:
+                self.plain[key] = obj.state_dict()
+                self._swap(self.plain[key])
+
+    def not_loaded(self, stored: Collection[str]) -> list[str]:
+        """Keys of ``stored`` (a checkpoint's flattened keys) under a top-level key of the
+        state that the state has no place for: a load leaves them in the checkpoint.
+
+        Top-level keys the state does not have at all are not listed (loading part of a
+        checkpoint is allowed).
+        """
+        flat, _ = flatten_state_dict(self.plain)
+        tops = {str(key) for key in self.plain}
+        return sorted(
+            name
+            for name in stored
+            if name not in flat and any(name == top or name.startswith(f"{top}.") for top in tops)
+        )
 
     def _swap(self, container: dict[Any, Any] | list[Any]) -> None:
         keys = container.keys() if isinstance(container, dict) else range(len(container))

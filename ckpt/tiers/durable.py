@@ -88,6 +88,7 @@ class DurableTier:
             storage_options=self._saves.storage_options,
             catalog=scope.catalog,
             _saver=self._saves.saver,
+            _partial_template=True,
         )
 
     def url(self, result: LoadResult) -> str:

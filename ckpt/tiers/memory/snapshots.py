@@ -112,6 +112,7 @@ class MemorySnapshots:
                         fsync=False, faults=FaultRegistry(read_env=False)
                     ),
                     _saver=self._saves.saver,
+                    _partial_template=True,
                 )
             except CorruptCheckpointError as exc:
                 if verify:
