@@ -28,11 +28,13 @@ from ckpt.lifecycle.quarantine import parse_quarantined_dirname, record_matches
 from ckpt.lifecycle.quarantine import read_record as read_quarantine_record
 from ckpt.lifecycle.retention import RetentionPolicy, apply_retention
 from ckpt.loading.discovery import (
+    DAMAGED,
     FOREIGN,
     PARTIAL,
     QUARANTINED,
     RENAMED,
     Catalog,
+    CheckpointInfo,
     require_root,
     resolve,
 )
@@ -133,8 +135,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     partial = sum(i.status == PARTIAL for i in infos)
     quarantined = len(aside) + sum(i.status == QUARANTINED for i in infos)
     others = len(foreign) + sum(i.status in (FOREIGN, RENAMED) for i in infos)
+    damaged = sum(i.status == DAMAGED for i in infos)
     print(
         f"{committed} committed, {partial} partial, {quarantined} quarantined"
+        + (f", {damaged} damaged (never loaded; a resume quarantines them)" if damaged else "")
         + (f", {others} foreign or renamed (left alone)" if others else "")
         + f", under {args.url}"
     )
@@ -187,10 +191,47 @@ def cmd_verify(args: argparse.Namespace) -> int:
     mode = MODE_DEEP if args.deep else MODE_FAST if args.fast else MODE_CHECKSUM
     if parse_quarantined_dirname(args.url) is not None:
         return _verify_quarantined(args.url.rstrip("/"), mode)
-    storage, info = resolve(args.url, args.step)
+    storage, info, damaged = _to_verify(args.url, args.step)
+    for bad in damaged:
+        print(f"FAIL  {bad.url} (step {bad.step}): {shown(bad.reason)}")
+    if info is None:
+        return EXIT_FAILED
     if not info.committed or info.manifest is None:
         print(f"FAIL  {info.url}: not committed ({info.status}): {shown(info.reason)}")
         return EXIT_FAILED
+    code = _verify_committed(args, storage, info, mode)
+    return EXIT_FAILED if damaged else code
+
+
+def _to_verify(
+    url: str, step: int | None
+) -> tuple[Storage, CheckpointInfo | None, list[CheckpointInfo]]:
+    """What ``verify`` checks: the checkpoint ``url`` (and ``step``) resolve to, and for a
+    root without ``--step`` the damaged commits newer than its newest committed one.
+
+    Those are what a resume tries first and quarantines; passing over them in silence
+    would say OK for a root whose newest commit is lost.
+    """
+    if step is not None or parse_checkpoint_dirname(url.rstrip("/")) is not None:
+        storage, info = resolve(url, step)
+        return (storage, None, [info]) if info.status == DAMAGED else (storage, info, [])
+    catalog = Catalog(require_root(url))
+    damaged = []
+    for info in catalog:
+        if info.committed:
+            return catalog.storage, info, damaged
+        if info.status == DAMAGED:
+            damaged.append(info)
+    if not damaged:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {url}")
+    return catalog.storage, None, damaged
+
+
+def _verify_committed(
+    args: argparse.Namespace, storage: Storage, info: CheckpointInfo, mode: str
+) -> int:
+    """Verify one committed checkpoint as ``cmd_verify`` reports it."""
+    assert info.manifest is not None
     report = _verify_as_resume_would(storage.child(info.dirname), info.manifest, mode)
     if report.ok and args.finite:
         try:
@@ -297,7 +338,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    catalog = Catalog(Storage(args.url))  # one listing, each manifest read once
+    catalog = Catalog(require_root(args.url))  # one listing, each manifest read once
     verb = "would delete" if args.dry_run else "deleted"
     if args.keep_last is None:
         return _gc_quarantined(catalog, args, verb)
@@ -415,8 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "ls",
-        help="committed, partial, quarantined and foreign entries (links, stray files), "
-        "newest first",
+        help="committed, damaged, partial, quarantined and foreign entries (links, stray "
+        "files), newest first",
     )
     p.add_argument("url")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -432,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
         "symbolic link fails (links are never followed). Then .metadata is decoded with "
         "the loader a resume uses: an exact list of DCP's metadata classes, no code runs, "
         "every item inside a shard file the manifest lists, with a crc32c. OK means "
-        "loadable. A "
+        "loadable. For a root, a damaged commit newer than its newest committed "
+        "checkpoint (COMPLETE present, manifest.json damaged) is a FAIL too. A "
         "quarantined directory's URL (checkpoint_N.quarantined-STAMP) is checked against "
         "its own manifest.json, for forensics.",
     )

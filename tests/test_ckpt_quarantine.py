@@ -9,6 +9,7 @@ and gs:// roots, its crash safety, and what ``python -m ckpt`` says about it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -24,6 +25,7 @@ from ckpt import cli
 from ckpt.errors import (
     CheckpointUnreadableError,
     CorruptCheckpointError,
+    NoLoadableCheckpointError,
     StorageError,
     UncommittedCheckpointError,
 )
@@ -96,10 +98,15 @@ def test_corrupt_newest_is_quarantined_and_its_step_saved_again(root):
     assert q.step == 2 and q.path == "rank_00000.distcp"
 
     # The step can be committed again: no CheckpointExistsError, no crash loop.
+    _assert_saved_again(root, 2, aside)
+
+
+def _assert_saved_again(root: str, step: int, aside: str) -> None:
+    """Save ``step`` anew after its quarantine; it loads, and the quarantined copy stays."""
     again = make_state(22)
-    ckpt.save(again, root, 2)
+    ckpt.save(again, root, step)
     loaded = blank_state()
-    assert ckpt.load(loaded, root).step == 2
+    assert ckpt.load(loaded, root).step == step
     assert torch.equal(loaded["model"]["w"], again["model"]["w"])
     assert aside in _names(root)
 
@@ -401,3 +408,175 @@ def test_ls_into_a_closed_pipe_prints_no_traceback(tmp_path):
     )
     assert proc.stdout.startswith("      STEP")
     assert proc.stderr == "", proc.stderr
+
+
+# -- a committed checkpoint whose manifest.json was damaged after its commit -----------------
+
+
+def _damage_manifest(root: str, step: int, how: str) -> None:
+    """Damage manifest.json of ``step`` after its commit; COMPLETE stays as it was."""
+    rel = f"checkpoint_{step:07d}/manifest.json"
+    data = read(root, rel)
+    if how == "truncated":
+        write(root, rel, data[: len(data) // 2])
+    elif how == "byte changed":  # still valid JSON, no longer the bytes COMPLETE vouches for
+        at = data.index(b'"created_at"') + len(b'"created_at": "')
+        digit = data[at : at + 1]
+        write(root, rel, data[:at] + (b"1" if digit != b"1" else b"2") + data[at + 1 :])
+        assert json.loads(read(root, rel))  # parses: only the crc32c tells
+    else:
+        Storage(root).remove(rel)
+
+
+DAMAGES = ["truncated", "byte changed", "deleted"]
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_damaged_manifest_under_a_valid_complete_is_a_damaged_commit_not_a_partial_save(
+    any_root, how, capsys
+):
+    ckpt.save(make_state(1), any_root, 1)
+    ckpt.save(make_state(2), any_root, 2)
+    _damage_manifest(any_root, 2, how)
+    [newest, older] = list_checkpoints(any_root)
+    assert (newest.step, newest.status, older.status) == (2, "damaged", "committed")
+    assert "manifest.json" in newest.reason and "COMPLETE is present" in newest.reason
+    assert not newest.committed and newest.marker is not None and newest.marker.step == 2
+
+    # `verify ROOT` fails on it instead of saying OK for step 1 alone.
+    assert cli.main(["verify", any_root]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL") and "checkpoint_0000002" in out and "manifest.json" in out
+    assert cli.main(["verify", any_root, "--step", "2"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    assert cli.main(["verify", any_root, "--step", "1"]) == 0
+    capsys.readouterr()
+    assert cli.main(["ls", any_root]) == 0
+    out = capsys.readouterr().out
+    assert any(line.split()[:2] == ["2", "damaged"] for line in out.splitlines())
+    assert "1 committed, 0 partial, 0 quarantined, 1 damaged" in out
+    assert cli.main(["ls", any_root, "--json"]) == 0
+    rows = {r["step"]: r["status"] for r in json.loads(capsys.readouterr().out)}
+    assert rows == {2: "damaged", 1: "committed"}
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_resume_falls_back_loudly_from_a_damaged_manifest_and_quarantines_it(any_root, how, caplog):
+    good = make_state(1)
+    ckpt.save(good, any_root, 1)
+    ckpt.save(make_state(2), any_root, 2)
+    before = _files(any_root, "checkpoint_0000002")
+    _damage_manifest(any_root, 2, how)
+
+    events: list[dict] = []
+    loaded = blank_state()
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        result = ckpt.load(loaded, any_root, on_event=events.append)
+    assert result.step == 1 and torch.equal(loaded["model"]["w"], good["model"]["w"])
+    assert [s.step for s in result.skipped] == [2]
+    said = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(
+        "checkpoint_0000002" in r.getMessage() and "falling back" in r.getMessage() for r in said
+    )
+    assert any("quarantined" in r.getMessage() and "manifest.json" in r.getMessage() for r in said)
+    kinds = [e["event"] for e in events]
+    assert kinds.index("ckpt_fallback") < kinds.index("ckpt_quarantined")
+
+    # Set aside with every file it had (COMPLETE turned into the record), nothing deleted.
+    names = _names(any_root)
+    assert "checkpoint_0000002" not in names
+    [aside] = [n for n in names if parse_quarantined_dirname(n) == 2]
+    kept = _files(any_root, aside)
+    for name in set(before) - {COMPLETE_NAME, "manifest.json"}:
+        assert kept[name] == before[name], name
+    assert ("manifest.json" in kept) == (how != "deleted")
+    record = json.loads(kept[QUARANTINE_MARKER_NAME])
+    assert record["path"] == "manifest.json" and json.loads(record["complete_marker"])["step"] == 2
+
+    # The step is saved again, as after any quarantine.
+    _assert_saved_again(any_root, 2, aside)
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_retention_and_a_save_of_its_step_set_a_damaged_commit_aside_never_delete_it(
+    any_root, how, caplog
+):
+    for step in (1, 2, 3):
+        ckpt.save(make_state(step), any_root, step)
+    _damage_manifest(any_root, 2, how)
+    before = _files(any_root, "checkpoint_0000002")
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        plan = apply_retention(any_root, RetentionPolicy(keep_last=1), run_id="local")
+    assert plan.delete == (1,) and plan.delete_partial == () and not plan.refused
+    assert set(plan.set_aside) == {2}
+    [aside] = [n for n in _names(any_root) if parse_quarantined_dirname(n) == 2]
+    kept = _files(any_root, aside)
+    assert {k: v for k, v in kept.items() if k != QUARANTINE_MARKER_NAME} == {
+        k: v for k, v in before.items() if k != COMPLETE_NAME
+    }
+    assert any("not deleted" in r.getMessage() for r in caplog.records)
+
+    # A save of the step of a damaged commit (no resume set it aside first) moves it aside
+    # too, instead of removing its files as "a dead attempt's leftovers".
+    ckpt.save(make_state(5), any_root, 5)
+    _damage_manifest(any_root, 5, how)
+    before = _files(any_root, "checkpoint_0000005")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        ckpt.save(make_state(55), any_root, 5)
+    assert not any("uncommitted save" in r.getMessage() for r in caplog.records)
+    [aside] = [n for n in _names(any_root) if parse_quarantined_dirname(n) == 5]
+    kept = _files(any_root, aside)
+    for name in set(before) - {COMPLETE_NAME}:
+        assert kept[name] == before[name], name
+    loaded = blank_state()
+    assert ckpt.load(loaded, any_root).step == 5
+    assert torch.equal(loaded["model"]["w"], make_state(55)["model"]["w"])
+
+
+def test_a_failed_save_never_removes_a_damaged_commit(tmp_root):
+    from ckpt.saving.commit import _remove_failed_save
+
+    ckpt.save(make_state(1), tmp_root, 1)
+    _damage_manifest(tmp_root, 1, "truncated")
+    before = _files(tmp_root, "checkpoint_0000001")
+    _remove_failed_save(Storage(tmp_root), "checkpoint_0000001")
+    assert _files(tmp_root, "checkpoint_0000001") == before
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_root_whose_only_commit_is_damaged_is_never_a_fresh_start(tmp_root, how):
+    ckpt.save(make_state(1), tmp_root, 1)
+    _damage_manifest(tmp_root, 1, how)
+    with pytest.raises(NoLoadableCheckpointError, match="checkpoint_0000001"):
+        ckpt.load(blank_state(), tmp_root, missing_ok=True)
+    assert [parse_quarantined_dirname(n) for n in _names(tmp_root)] == [1]
+    # the resume walk (no committed head to try) refuses too, and sets a damaged one aside
+    ckpt.save(make_state(2), tmp_root, 2)
+    _damage_manifest(tmp_root, 2, how)
+    model = torch.nn.Linear(2, 2)
+    manager = ckpt.CheckpointManager(tmp_root, {"model": model}, retention=None)
+    with pytest.raises(NoLoadableCheckpointError):
+        manager.resume()
+    aside = [parse_quarantined_dirname(n) for n in _names(tmp_root)]
+    assert sorted(s for s in aside if s is not None) == [1, 2]
+    assert "checkpoint_0000002" not in _names(tmp_root)
+
+
+def test_a_garbage_complete_stays_partial_and_a_vouched_hostile_manifest_is_damaged(tmp_root):
+    from ckpt.format.checksum import crc32c_of
+
+    ckpt.save(make_state(1), tmp_root, 1)
+    ckpt.save(make_state(2), tmp_root, 2)
+    # COMPLETE itself garbage (deep JSON): no commit to speak of, still partial
+    write(tmp_root, "checkpoint_0000001/COMPLETE", b"[" * 30_000 + b"]" * 30_000)
+    # a COMPLETE recomputed for a manifest nested 100k deep: read bounded, never loaded
+    hostile = b"[" * 100_000 + b"]" * 100_000
+    marker = json.loads(read(tmp_root, "checkpoint_0000002/COMPLETE"))
+    marker["manifest_crc32c"] = crc32c_of(hostile)
+    write(tmp_root, "checkpoint_0000002/manifest.json", hostile)
+    write(tmp_root, "checkpoint_0000002/COMPLETE", json.dumps(marker).encode())
+    statuses = {i.step: (i.status, i.reason) for i in list_checkpoints(tmp_root)}
+    assert statuses[1][0] == "partial" and "COMPLETE is not a valid marker" in statuses[1][1]
+    assert statuses[2][0] == "damaged" and "does not parse" in statuses[2][1]
+    assert cli.main(["verify", tmp_root]) == 1

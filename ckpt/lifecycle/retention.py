@@ -18,7 +18,8 @@ What the plan says to delete is deleted only when it is provably the library's
 (:mod:`ckpt.lifecycle.ownership`): every file in the directory one it writes (and, committed, one
 its manifest lists), and a partial directory's records naming the run that prunes. A
 directory that fails this is left whole and said at WARNING (:attr:`RetentionPlan.refused`);
-a committed checkpoint renamed by hand is quarantined ("renamed"), never deleted.
+a committed checkpoint renamed by hand ("renamed") or whose manifest.json was damaged after
+its commit ("damaged") is quarantined, never deleted.
 
 ``DEFAULT_RETENTION`` (keep the newest 3) is what ``CheckpointManager`` and the
 trainer apply after every commit unless told otherwise: a month-long run must not
@@ -87,7 +88,8 @@ class RetentionPlan:
     refused: dict[int, str] = field(default_factory=dict)
     """Steps the plan deleted that were left in place, and why (not provably ours)."""
     set_aside: dict[int, str] = field(default_factory=dict)
-    """Renamed committed checkpoints quarantined instead: step -> where they are kept."""
+    """Renamed or damaged committed checkpoints quarantined instead: step -> where they are
+    kept."""
 
 
 def plan_retention(
@@ -137,7 +139,7 @@ def apply_retention(
     ``said``: URLs already reported as left alone (each is said at WARNING once).
     ``catalog``: the root's listing when the caller already made one (``gc``).
     """
-    from ckpt.loading.discovery import PARTIAL, RENAMED, Catalog
+    from ckpt.loading.discovery import PARTIAL, SET_ASIDE, Catalog
 
     if catalog is None:
         catalog = Catalog(root if isinstance(root, Storage) else Storage(root))
@@ -183,7 +185,7 @@ def apply_retention(
     set_aside = {
         info.step: set_aside_renamed(storage, info, said)
         for info in infos.values()
-        if info.status == RENAMED
+        if info.status in SET_ASIDE
     }
     return replace(plan, refused=refused, set_aside={k: v for k, v in set_aside.items() if v})
 
@@ -217,18 +219,23 @@ def _not_ours(
 
 
 def set_aside_renamed(storage: Storage, info: CheckpointInfo, said: set[str] | None = None) -> str:
-    """Quarantine a committed checkpoint found under another step's name; its new URL.
+    """Quarantine a committed checkpoint that is never loaded nor deleted; its new URL.
 
-    Never deleted: a user renamed it, and its files are a committed checkpoint. Said at
-    WARNING. Returns "" when it could not be moved (said too; tried again next time).
+    ``info`` is *renamed* (found under another step's name) or *damaged* (its
+    manifest.json no longer the one its COMPLETE vouches for): its files are a committed
+    checkpoint, so it is set aside, never deleted. Said at WARNING. Returns "" when it
+    could not be moved (said too; tried again next time).
     """
     from ckpt.lifecycle.quarantine import quarantine
+    from ckpt.loading.discovery import RENAMED
 
-    reason = f"{info.reason}; its directory name says step {info.step}"
+    renamed = info.status == RENAMED
+    reason = f"{info.reason}; its directory name says step {info.step}" if renamed else info.reason
+    what = "renamed" if renamed else "damaged"
     try:
-        kept = quarantine(storage, info.step, reason)
+        kept = quarantine(storage, info.step, reason, "" if renamed else "manifest.json")
     except CheckpointError as exc:
-        ownership.say_left_alone(said, info.url, f"could not set aside renamed {info.url}: {exc}")
+        ownership.say_left_alone(said, info.url, f"could not set aside {what} {info.url}: {exc}")
         return ""
     logger.warning(
         "ckpt: %s was %s: quarantined, not deleted; its files are kept at %s",

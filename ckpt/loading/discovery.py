@@ -9,8 +9,16 @@ half-way): never resumed, never deleted by retention or a new save's clean-up.
 *corrupt* is a committed one that an operation failed to verify or load and did not
 quarantine (:meth:`Catalog.mark`). *renamed* is a committed checkpoint under another
 step's name (its COMPLETE and manifest agree on a step the name does not say): never
-resumed, never deleted, set aside by the operations that would have cleared it. One
-operation lists the root once into a :class:`Catalog` and passes it down.
+resumed, never deleted, set aside by the operations that would have cleared it.
+*damaged* is a committed checkpoint whose manifest.json was damaged after its commit:
+COMPLETE is present and parses, but manifest.json is missing, unreadable, larger than
+the limit, fails to parse, or is not the exact bytes COMPLETE vouches for. COMPLETE is
+written only after manifest.json is durable and is the first file removed by every
+deletion and quarantine, so no save in flight and no deletion leaves that state: it is
+damage, not a partial save. Never resumed and never deleted: a resume reports it and
+quarantines it like a checkpoint whose shard fails its crc32c, and retention and a
+save of its step set it aside the same way. One operation lists the root once into a
+:class:`Catalog` and passes it down.
 
 Everything read here is untrusted input: COMPLETE and manifest.json are read with size
 limits and parsed with checks; an entry named like a checkpoint that is not a directory
@@ -56,6 +64,10 @@ FOREIGN = "foreign"
 """Named like a checkpoint but not a directory of ours: a symbolic link, a plain file."""
 RENAMED = "renamed"
 """A committed checkpoint whose directory name says another step (renamed by hand)."""
+DAMAGED = "damaged"
+"""COMPLETE present and valid, manifest.json not what it vouches for: damaged after commit."""
+SET_ASIDE = (RENAMED, DAMAGED)
+"""Statuses of committed checkpoints that are never loaded nor deleted, only quarantined."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +116,14 @@ def inspect_dir(storage: Storage, dirname: str) -> CheckpointInfo:
     def partial(reason: str, marker: CompleteMarker | None = None) -> CheckpointInfo:
         return found(PARTIAL, reason, marker=marker)
 
+    def damaged(problem: str, marker: CompleteMarker) -> CheckpointInfo:
+        named = "" if marker.step == step else f" (COMPLETE names step {marker.step})"
+        return found(
+            DAMAGED,
+            f"damaged after its commit: COMPLETE is present{named} but {problem}",
+            marker=marker,
+        )
+
     kind = storage.local_kind(dirname)
     if kind not in (None, DIR):
         what = "a symbolic link" if kind == LINK else f"a {kind}, not a directory"
@@ -129,15 +149,21 @@ def inspect_dir(storage: Storage, dirname: str) -> CheckpointInfo:
             f"{dirname}/{MANIFEST_NAME}", max_bytes=MAX_MANIFEST_BYTES
         )
     except ObjectTooLargeError:
-        return partial(f"manifest.json is larger than {MAX_MANIFEST_BYTES} bytes", marker)
+        return damaged(f"manifest.json is larger than {MAX_MANIFEST_BYTES} bytes", marker)
     except ObjectNotFoundError:
-        return partial("COMPLETE present but manifest.json is missing", marker)
+        if not storage.exists(f"{dirname}/{COMPLETE_NAME}"):
+            return partial("removed while being listed (COMPLETE and manifest.json gone)")
+        return damaged("manifest.json is missing", marker)
     if not marker.vouches_for(raw_manifest):
-        return partial("COMPLETE does not match manifest.json (crc32c differs)", marker)
+        return damaged(
+            f"manifest.json ({len(raw_manifest)} bytes) is not the one it was committed with "
+            "(crc32c differs: truncated or changed since)",
+            marker,
+        )
     try:
         manifest = Manifest.from_bytes(raw_manifest, url=url)
     except CorruptCheckpointError as exc:
-        return partial(str(exc), marker)
+        return damaged(f"manifest.json does not parse ({exc})", marker)
     if manifest.step != step or marker.step != step:
         if manifest.step == marker.step:
             return found(
@@ -283,10 +309,8 @@ def resolve(url: str, step: int | None = None) -> tuple[Storage, CheckpointInfo]
 
     storage = require_root(url)
     if step is not None:
-        catalog = Catalog(storage)
-        steps = [info.step for info in catalog]
-        if step not in steps:
-            committed = [info.step for info in catalog if info.committed]
+        if checkpoint_dirname(step) not in {name for name, _ in storage.list_dir()}:
+            committed = [info.step for info in Catalog(storage) if info.committed]
             raise CheckpointNotFoundError(
                 f"no checkpoint of step {step} under {url}; committed steps: "
                 + (", ".join(map(str, sorted(committed))) if committed else "none")

@@ -41,7 +41,7 @@ from ckpt.format.layout import checkpoint_dirname
 from ckpt.format.manifest import Manifest
 from ckpt.lifecycle.quarantine import quarantine as quarantine_checkpoint
 from ckpt.lifecycle.quarantine import should_quarantine
-from ckpt.loading.discovery import CORRUPT, QUARANTINED, Catalog
+from ckpt.loading.discovery import CORRUPT, DAMAGED, QUARANTINED, Catalog
 from ckpt.loading.reader import SafeLoadPlanner, ShardReader
 from ckpt.loading.verify import verify_dir
 from ckpt.saving import async_save as _async
@@ -279,28 +279,9 @@ def _set_aside(
 ) -> None:
     """Quarantine a checkpoint every rank failed to load (the coordinator moves it)."""
 
-    def move() -> str:
-        try:
-            kept = quarantine_checkpoint(cat.storage, skip.step, skip.reason, skip.path)
-        except CheckpointError as exc:  # the fallback goes on; the next resume tries again
-            cat.mark(skip.step, CORRUPT, skip.reason)
-            logger.error("ckpt: could not quarantine %s: %s", skip.url, exc)
-            return ""
-        cat.mark(skip.step, QUARANTINED, skip.reason)
-        logger.warning(
-            "ckpt: quarantined %s (%s); its files are kept at %s, step %d can be saved again "
-            "(`python -m ckpt verify %s` checks them, `python -m ckpt gc %s --quarantined` "
-            "removes them)",
-            skip.url,
-            skip.reason,
-            kept.url,
-            skip.step,
-            kept.url,
-            cat.storage.root_url,
-        )
-        return kept.url
-
-    kept_at = coll.on_coordinator(f"quarantining {skip.url}", move)
+    kept_at = coll.on_coordinator(
+        f"quarantining {skip.url}", lambda: _quarantine_on_coordinator(cat, skip)
+    )
     if kept_at and on_event is not None:
         on_event(
             {
@@ -314,6 +295,29 @@ def _set_aside(
         )
 
 
+def _quarantine_on_coordinator(cat: Catalog, skip: SkippedCheckpoint) -> str:
+    """Move ``skip`` aside and say so at WARNING; where it is kept ("" when it could not be)."""
+    try:
+        kept = quarantine_checkpoint(cat.storage, skip.step, skip.reason, skip.path)
+    except CheckpointError as exc:  # the fallback goes on; the next resume tries again
+        cat.mark(skip.step, CORRUPT, skip.reason)
+        logger.error("ckpt: could not quarantine %s: %s", skip.url, exc)
+        return ""
+    cat.mark(skip.step, QUARANTINED, skip.reason)
+    logger.warning(
+        "ckpt: quarantined %s (%s); its files are kept at %s, step %d can be saved again "
+        "(`python -m ckpt verify %s` checks them, `python -m ckpt gc %s --quarantined` "
+        "removes them)",
+        skip.url,
+        skip.reason,
+        kept.url,
+        skip.step,
+        kept.url,
+        cat.storage.root_url,
+    )
+    return kept.url
+
+
 def refuse_only_quarantined(coll: Collective, cat: Catalog, root: str) -> None:
     """Collective, for a root without a committed checkpoint: raise if it holds quarantined ones.
 
@@ -324,7 +328,14 @@ def refuse_only_quarantined(coll: Collective, cat: Catalog, root: str) -> None:
     """
 
     def quarantined_steps() -> list[int]:
-        in_place = [info.step for info in cat if info.status == QUARANTINED]
+        # A damaged commit is what a resume that tried it would have quarantined: the same
+        # here, where no committed checkpoint led the resume to try it.
+        for info in [info for info in cat if info.status == DAMAGED]:
+            skip = SkippedCheckpoint(
+                step=info.step, url=info.url, reason=info.reason, path="manifest.json"
+            )
+            _quarantine_on_coordinator(cat, skip)
+        in_place = [info.step for info in cat if info.status in (QUARANTINED, DAMAGED, CORRUPT)]
         return sorted({*in_place, *(q.step for q in cat.quarantined())}, reverse=True)
 
     aside = coll.on_coordinator(
@@ -341,8 +352,16 @@ def refuse_only_quarantined(coll: Collective, cat: Catalog, root: str) -> None:
 
 
 def _verified_manifest(cat: Catalog, step: int) -> Manifest | None:
-    """Coordinator: the manifest of ``step`` once its files verify; None if not committed."""
+    """Coordinator: the manifest of ``step`` once its files verify; None if not committed.
+
+    A damaged commit (its manifest.json no longer the one COMPLETE vouches for) raises like
+    a shard that fails its crc32c: reported, fallen back from and quarantined, never passed
+    over in silence as a partial save would be."""
     info = cat.info(step)
+    if info.status == DAMAGED:
+        raise CorruptCheckpointError(
+            f"{info.url}: {info.reason}", url=info.url, path="manifest.json"
+        )
     if not info.committed or info.manifest is None:
         logger.debug("ckpt: skipping %s: %s", info.url, info.reason)
         return None

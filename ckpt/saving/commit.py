@@ -57,7 +57,7 @@ from ckpt.format.manifest import Attempt, CompleteMarker, FileEntry, Manifest
 from ckpt.lifecycle import ownership
 from ckpt.lifecycle.quarantine import finish_move as finish_quarantine_move
 from ckpt.lifecycle.retention import RetentionPolicy, apply_retention, set_aside_renamed
-from ckpt.loading.discovery import RENAMED, Catalog, inspect_dir
+from ckpt.loading.discovery import PARTIAL, SET_ASIDE, Catalog, inspect_dir
 from ckpt.saving import async_save as _async
 from ckpt.saving import finite
 from ckpt.saving.writer import BlockSavePlanner, ShardWriter
@@ -391,7 +391,8 @@ def _prepare(storage: Storage, dirname: str, attempt: Attempt, started_at: float
     check); the step's directory is listed only when the root holds it. Leftovers are
     cleared only when every file in them is one this library writes
     (:mod:`ckpt.lifecycle.ownership`); anything else stops the save with an error naming them,
-    and a committed checkpoint renamed to this step is quarantined, never deleted.
+    and a committed checkpoint renamed to this step, or one of this step whose manifest.json
+    was damaged after its commit, is quarantined, never deleted.
     """
     catalog = Catalog(storage)
     step = int(dirname.rsplit("_", 1)[-1])
@@ -414,8 +415,13 @@ def _prepare(storage: Storage, dirname: str, attempt: Attempt, started_at: float
                 f"of run {info.marker.attempt.run_id!r}); committed checkpoints are never "
                 "overwritten. Resume from it, or save under another step or root."
             )
-        if info.status == RENAMED:
-            set_aside_renamed(storage, info)
+        if info.status in SET_ASIDE:
+            if not set_aside_renamed(storage, info):
+                raise CheckpointDirError(
+                    f"{info.url} could not be set aside ({info.reason}), where the checkpoint "
+                    f"of step {step} goes; nothing was deleted or written. Quarantine it with "
+                    f"a resume, or move it away, to save step {step} here."
+                )
             existing = {}
     _check_fence(storage, attempt, step, started_at, catalog)
     if existing:
@@ -519,8 +525,8 @@ def _remove_failed_save(storage: Storage, dirname: str) -> None:
     """
     try:
         files = storage.child(dirname).list_files()
-        if COMPLETE_NAME in files and inspect_dir(storage, dirname).committed:
-            return
+        if COMPLETE_NAME in files and inspect_dir(storage, dirname).status != PARTIAL:
+            return  # committed, or a commit whose manifest was damaged: never deleted
         foreign = ownership.strangers(files)
         if foreign:
             logger.warning(
