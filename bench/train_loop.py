@@ -11,7 +11,6 @@ trainer's per-step extras - metrics rows, loss all-reduce, sample-id gather - co
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import time
 from typing import Any
 
 from bench.gpt import CONFIG, REPO
+from bench.harness.local_cluster import read_jsonl
 from runcore import events as ev
 
 
@@ -63,8 +63,8 @@ def trainer_run(work: str, steps: int, timeout_s: float) -> tuple[list[float], i
     out = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
     )
-    rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    events = _read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
     finished = any(e.get("event") == ev.FINISHED for e in events)
     if len(rows) != steps or not finished:
         raise RuntimeError(f"trainer run failed (rc={out.returncode}): {out.stderr[-1500:]}")
@@ -73,13 +73,6 @@ def trainer_run(work: str, steps: int, timeout_s: float) -> tuple[list[float], i
         keys = ("terminate", "abort", "Abort", "Error", "error:", "exitcode")
         why = " | ".join(ln.strip() for ln in out.stderr.splitlines() if any(k in ln for k in keys))
     return [float(r["time"]) for r in rows], out.returncode, why[:600]
-
-
-def _read_jsonl(path: str) -> list[dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def steady_rate(ends: list[float], warmup: int) -> float:

@@ -65,6 +65,13 @@ EventCallback = Callable[..., None]
 """``on_event(name, step, **fields)``: the signature of a run recorder's ``event``."""
 
 
+def _option_view(name: str) -> property:
+    """A read-only attribute that reads ``self.options.<name>``."""
+    return property(
+        lambda self: getattr(self.options, name), doc=f"``options.{name}`` (read-only)."
+    )
+
+
 class CheckpointManager:
     """Saves and resumes one run's state under one root; every rank holds one.
 
@@ -431,21 +438,10 @@ class CheckpointManager:
 
     # Read-only views of the options, as the attributes of the same names were before
     # the options object.
-    @property
-    def every(self) -> int:
-        return self.options.every
-
-    @property
-    def async_save(self) -> bool:
-        return self.options.async_save
-
-    @property
-    def memory_every(self) -> int:
-        return self.options.memory_every
-
-    @property
-    def param_groups(self) -> str:
-        return self.options.param_groups
+    every = _option_view("every")
+    async_save = _option_view("async_save")
+    memory_every = _option_view("memory_every")
+    param_groups = _option_view("param_groups")
 
     # -- emergency saves (the saver protocol of ``elastic.RunGuard``) ----------------------
 

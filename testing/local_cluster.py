@@ -12,8 +12,10 @@ from bench.harness.local_cluster import (
     ElasticJob,
     Wrap,
     descendants,
+    read_jsonl,
 )
 
 __all__ = [
     "BACKENDS", "FT_RDZV_CONF", "RDZV_CONF", "REPO", "Agent", "ElasticJob", "Wrap", "descendants",
+    "read_jsonl",
 ]  # fmt: skip

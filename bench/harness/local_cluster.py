@@ -199,10 +199,10 @@ class ElasticJob:
     # -- observing ----------------------------------------------------------------------
 
     def metrics(self) -> list[dict]:
-        return _read_jsonl(os.path.join(self.run_dir, "metrics.jsonl"))
+        return read_jsonl(os.path.join(self.run_dir, "metrics.jsonl"))
 
     def events(self) -> list[dict]:
-        return _read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
+        return read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
 
     def all_events(self) -> list[dict]:
         """Events of every rank (``events.jsonl`` and ``events.rank*.jsonl``), by time."""
@@ -210,7 +210,7 @@ class ElasticJob:
         if os.path.isdir(self.run_dir):
             for name in sorted(os.listdir(self.run_dir)):
                 if name.startswith("events") and name.endswith(".jsonl"):
-                    rows += _read_jsonl(os.path.join(self.run_dir, name))
+                    rows += read_jsonl(os.path.join(self.run_dir, name))
         return sorted(rows, key=lambda e: float(e.get("time", 0.0)))
 
     def agent_of_rank0(self, world_size: int) -> Agent | None:
@@ -323,7 +323,7 @@ class ElasticJob:
             self.store.wait(10)
 
 
-def _read_jsonl(path: str) -> list[dict]:
+def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
     rows = []

@@ -21,7 +21,6 @@ The Slurm recipe's requeue (same ``SLURM_JOB_ID``, new rendezvous id) is the sam
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -32,7 +31,7 @@ import pytest
 import ckpt
 from ckpt.lifecycle.lease import JobIdentity, RootLease, read_lease
 from ckpt.storage import Storage
-from testing.local_cluster import REPO
+from testing.local_cluster import REPO, read_jsonl
 from testing.procs import (
     RunTimeoutError,
     run_bounded,
@@ -68,11 +67,7 @@ def train(ckpt_dir: str, run_dir: str, *args: str, own_pids: bool = False) -> tu
 
 
 def rows(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    return read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def relaunch_takes_over(root: str, run_dir: str, why: str) -> str:

@@ -9,7 +9,6 @@ the checkpoint directories; the message only for naming the root and the full di
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -18,7 +17,7 @@ import pytest
 
 import ckpt
 from testing import mounts
-from testing.local_cluster import REPO
+from testing.local_cluster import REPO, read_jsonl
 from testing.procs import RunTimeoutError, torchrun_trainer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -52,11 +51,7 @@ def train(ckpt_dir: str, run_dir: str, *args: str) -> tuple[subprocess.Completed
 
 
 def metrics(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def test_an_unwritable_root_stops_the_job_before_any_step(tmp_path):
