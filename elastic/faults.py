@@ -26,6 +26,12 @@ Kinds:
   reports it (`FaultPlan.nan_faults_due`), and `RunGuard` has the checkpoint manager fill
   them (`inject_non_finite()`).
 
+Each kind has exactly one handler: a process action in :data:`PROCESS_ACTIONS` (the plan
+carries it out, :meth:`FaultPlan.fire`) or a saver action in :data:`SAVER_ACTIONS` (the plan
+only reports it, :meth:`FaultPlan.saver_faults_due`, and ``RunGuard`` calls the action with
+its checkpoint manager); :func:`unhandled_kinds` names any kind left out, and firing one is
+an error, never a silent no-op.
+
 `rank` omitted means every rank. A fault fires only in the attempt whose job-wide
 restart count equals `attempt` (default 0), so a restarted job does not fail again at
 the same step.
@@ -51,6 +57,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from elastic.errors import InjectedFault
 from runcore.faultspec import split_fault_spec
@@ -78,8 +85,6 @@ class FaultKind(str, enum.Enum):
 
 
 VALID_KINDS: tuple[str, ...] = tuple(kind.value for kind in FaultKind)
-_SAVER_FAULTS = (FaultKind.CKPT_STORAGE, FaultKind.NAN)
-"""Kinds the plan only reports; `RunGuard` carries them out through its saver."""
 VALID_KEYS: tuple[str, ...] = ("step", "at", "rank", "attempt")
 START_POINTS: tuple[str, ...] = ("init_process_group", "checkpoint_manager", "resume")
 """Points of the start-up a fault can be placed at (``at=POINT``), in the order a start-up
@@ -214,6 +219,72 @@ def _hang_forever() -> None:
         time.sleep(3600.0)
 
 
+def _raise(spec: FaultSpec, step: int, rank: int) -> None:
+    raise InjectedFault(spec, step, rank)
+
+
+def _sigterm(spec: FaultSpec, step: int, rank: int) -> None:
+    # Returns: a handler installed by PreemptionHandler only sets a flag.
+    _flush_logs()
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _kill(spec: FaultSpec, step: int, rank: int) -> None:
+    _flush_logs()
+    os.kill(os.getpid(), signal.SIGKILL)
+    # SIGKILL to oneself is delivered before kill() returns on Linux; this only guards
+    # against a platform that delivers it late.
+    time.sleep(10.0)
+    os._exit(128 + signal.SIGKILL)
+
+
+def _exit(spec: FaultSpec, step: int, rank: int) -> None:
+    _flush_logs()
+    os._exit(1)
+
+
+def _hang(spec: FaultSpec, step: int, rank: int) -> None:
+    _flush_logs()
+    _hang_forever()
+
+
+PROCESS_ACTIONS: Mapping[FaultKind, Callable[[FaultSpec, int, int], None]] = {
+    FaultKind.RAISE: _raise,
+    FaultKind.SIGTERM: _sigterm,
+    FaultKind.KILL: _kill,
+    FaultKind.EXIT: _exit,
+    FaultKind.HANG: _hang,
+}
+"""What each process fault does to this process, by kind (:meth:`FaultPlan.fire`)."""
+
+
+def _arm_storage_fault(saver: Any, spec: FaultSpec) -> None:
+    saver.inject_storage_fault(spec.storage_spec())
+
+
+def _fill_non_finite(saver: Any, spec: FaultSpec) -> None:
+    saver.inject_non_finite()
+
+
+SAVER_ACTIONS: Mapping[FaultKind, Callable[[Any, FaultSpec], None]] = {
+    FaultKind.CKPT_STORAGE: _arm_storage_fault,
+    FaultKind.NAN: _fill_non_finite,
+}
+"""What each saver fault asks of the checkpoint manager (``RunGuard`` calls it with its
+saver, an :class:`elastic.guard.EmergencySaver`)."""
+
+_SAVER_FAULTS = tuple(SAVER_ACTIONS)
+"""Kinds the plan only reports; `RunGuard` carries them out through its saver."""
+
+
+def unhandled_kinds() -> list[FaultKind]:
+    """Kinds with no action in either table, or in both (empty when the tables are whole):
+    such a kind would parse and then never fire."""
+    return [
+        kind for kind in FaultKind if (kind in PROCESS_ACTIONS) == (kind in SAVER_ACTIONS)
+    ]
+
+
 class FaultPlan:
     """The faults requested for this run, and which of them this process has used.
 
@@ -320,6 +391,14 @@ class FaultPlan:
                 due.append(spec)
         return due
 
+    def saver_faults_due(self, step: int, rank: int, attempt: int) -> list[FaultSpec]:
+        """Consume and return every saver fault due now (:data:`SAVER_ACTIONS`):
+        ckpt-storage ones whose step has been reached, then nan ones of this exact step.
+        The caller carries each out with ``SAVER_ACTIONS[spec.kind](saver, spec)``."""
+        return self.storage_faults_due(step, rank, attempt) + self.nan_faults_due(
+            step, rank, attempt
+        )
+
     def storage_fault_due(self, step: int, rank: int, attempt: int) -> bool:
         """Return True once for a ckpt-storage fault whose step has been reached.
 
@@ -350,23 +429,11 @@ class FaultPlan:
 
     @staticmethod
     def _act(spec: FaultSpec, step: int, rank: int) -> None:
-        if spec.kind is FaultKind.RAISE:
-            raise InjectedFault(spec, step, rank)
-        if spec.kind is FaultKind.SIGTERM:
-            _flush_logs()
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        _flush_logs()
-        if spec.kind is FaultKind.KILL:
-            os.kill(os.getpid(), signal.SIGKILL)
-            # SIGKILL to oneself is delivered before kill() returns on Linux; this
-            # only guards against a platform that delivers it late.
-            time.sleep(10.0)
-            os._exit(128 + signal.SIGKILL)
-        if spec.kind is FaultKind.EXIT:
-            os._exit(1)
-        if spec.kind is FaultKind.HANG:
-            _hang_forever()
+        action = PROCESS_ACTIONS.get(spec.kind)
+        if action is None:
+            # A saver kind reaching here would be a fault that silently never fires.
+            raise ValueError(f"fault {spec}: kind {spec.kind.value!r} is not a process fault")
+        action(spec, step, rank)
 
 
 def fire_at_point(

@@ -58,7 +58,7 @@ from typing import Any, Protocol, TypeVar
 
 from elastic import divergence as _div
 from elastic.errors import Diverged, Preempted
-from elastic.faults import FaultPlan, FaultSpec
+from elastic.faults import SAVER_ACTIONS, FaultPlan, FaultSpec
 from elastic.heartbeat import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_PEER_TIMEOUT_S,
@@ -123,6 +123,8 @@ class EmergencySaver(Protocol):
     def emergency_save(self, step: int) -> bool: ...
 
     def inject_storage_fault(self, spec: str) -> None: ...
+
+    def inject_non_finite(self) -> list[str]: ...
 
 
 class RunGuard:
@@ -417,16 +419,12 @@ class RunGuard:
         """
         self._step = step
         self._prepared = step
-        for spec in self.plan.storage_faults_due(step, self.rank, self.attempt):
+        for spec in self.plan.saver_faults_due(step, self.rank, self.attempt):
             self.event(ev.FAULT, step, every_rank=True, spec=str(spec), rank=self.rank)
+            act = SAVER_ACTIONS[spec.kind]
             if self.saver is None:
                 raise ValueError(f"fault {spec} needs a checkpoint manager (RunGuard(saver=...))")
-            self.saver.inject_storage_fault(spec.storage_spec())
-        for spec in self.plan.nan_faults_due(step, self.rank, self.attempt):
-            self.event(ev.FAULT, step, every_rank=True, spec=str(spec), rank=self.rank)
-            if not callable(getattr(self.saver, "inject_non_finite", None)):
-                raise ValueError(f"fault {spec} needs a checkpoint manager (RunGuard(saver=...))")
-            self.saver.inject_non_finite()
+            act(self.saver, spec)
         self.plan.fire(step, self.rank, self.attempt, on_fire=self._on_fault(step))
         with self.slow_phase():
             self._stop_if_preempted(step - 1)

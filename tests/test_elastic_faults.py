@@ -12,13 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from elastic import faults as faults_module
 from elastic.faults import (
     ENV_FAULTS,
+    PROCESS_ACTIONS,
+    SAVER_ACTIONS,
     FaultKind,
     FaultPlan,
     FaultSpec,
     InjectedFault,
     parse_fault_spec,
+    unhandled_kinds,
 )
 
 PROCESS_TIMEOUT_S = 30
@@ -161,6 +165,50 @@ def test_fire_matches_step_rank_and_attempt(
     else:
         plan.fire(step, rank, attempt, on_fire=seen.append)
         assert seen == []
+
+
+@pytest.mark.timeout(30)
+def test_every_fault_kind_has_exactly_one_handler() -> None:
+    assert unhandled_kinds() == []
+    assert set(PROCESS_ACTIONS) | set(SAVER_ACTIONS) == set(FaultKind)
+
+
+@pytest.mark.timeout(30)
+def test_a_kind_missing_from_the_tables_is_found_and_refused_when_fired(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        faults_module,
+        "PROCESS_ACTIONS",
+        {k: v for k, v in PROCESS_ACTIONS.items() if k is not FaultKind.HANG},
+    )
+    assert unhandled_kinds() == [FaultKind.HANG]
+    plan = FaultPlan([parse_fault_spec("hang:step=2")])
+    with pytest.raises(ValueError, match="not a process fault"):
+        plan.fire(2, rank=0, attempt=0)
+
+
+@pytest.mark.timeout(30)
+def test_saver_faults_reach_the_saver_through_their_table_entry() -> None:
+    calls: list[tuple[str, object]] = []
+
+    class Saver:
+        def inject_storage_fault(self, spec: str) -> None:
+            calls.append(("storage", spec))
+
+        def inject_non_finite(self) -> list[str]:
+            calls.append(("nan", None))
+            return []
+
+    plan = FaultPlan(
+        [parse_fault_spec("nan:step=3"), parse_fault_spec("ckpt-storage:step=1:phase=manifest")]
+    )
+    assert plan.saver_faults_due(2, rank=0, attempt=0) == [plan.specs[1]]
+    due = plan.saver_faults_due(3, rank=0, attempt=0)
+    assert due == [plan.specs[0]]
+    for spec in [plan.specs[1], *due]:
+        SAVER_ACTIONS[spec.kind](Saver(), spec)
+    assert calls == [("storage", "ckpt-storage:phase=manifest"), ("nan", None)]
 
 
 @pytest.mark.timeout(30)
