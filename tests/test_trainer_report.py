@@ -200,6 +200,14 @@ def write_rank_events(run_dir, rank, events):
         fh.writelines(json.dumps({**e, "rank": rank}) + "\n" for e in events)
 
 
+def test_the_report_reads_only_event_names_the_schema_defines():
+    from runcore.events import SCHEMA
+    from trainer.report import DETECTOR_EVENTS, FAILURE_EVENTS, FAULT_EVENTS, WATCHDOG_EVENTS
+
+    for names in (FAULT_EVENTS, FAILURE_EVENTS, WATCHDOG_EVENTS, DETECTOR_EVENTS):
+        assert names and set(names) <= set(SCHEMA), sorted(set(names) - set(SCHEMA))
+
+
 def test_rank_event_files_are_merged_counted_and_drawn(tmp_path, capsys):
     # ONE_RESTART, but the fault was injected on rank 1: rank 0's events.jsonl has none.
     metrics, events = ONE_RESTART
@@ -207,15 +215,15 @@ def test_rank_event_files_are_merged_counted_and_drawn(tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     write_run(run_dir, metrics, rank0)
     write_rank_events(run_dir, 1, [ev("fault", 9, 8.05, spec="kill:step=9,rank=1")])
-    write_rank_events(run_dir, 3, [ev("failure", 9, 8.5, error="NCCL timeout"),
+    write_rank_events(run_dir, 3, [ev("peer_silent", 9, 8.5, peer=2, silent_s=5.0),
                                    ev("watchdog_stall", 9, 8.6)])  # fmt: skip
 
     loaded_metrics, merged = load_run_dir(run_dir)
     times = [e["time"] for e in merged]
     assert times == sorted(times) and len(merged) == len(rank0) + 3
-    assert [(e["event"], e["rank"]) for e in merged if e["event"] in {"fault", "failure"}] == [
+    assert [(e["event"], e["rank"]) for e in merged if e["event"] in {"fault", "peer_silent"}] == [
         ("fault", 1),
-        ("failure", 3),
+        ("peer_silent", 3),
     ]
     assert all(e["rank"] == 0 for e in merged if e["event"] == "start")  # default: file's rank
 

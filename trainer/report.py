@@ -37,12 +37,13 @@ DEFAULT_PLOT_NAME = "timeline.png"
 _RANK_EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
 
 FAULT_EVENTS = frozenset({ev.FAULT})
-"""A fault injected on purpose (``--inject``), on whichever rank recorded it."""
-FAILURE_EVENTS = frozenset({"failure", "rank_failure", "error", ev.PEER_SILENT})
-"""A rank reporting its own failure (an exception that ends its attempt)."""
-WATCHDOG_EVENTS = frozenset({"watchdog", ev.WATCHDOG_STALL, "stall"})
+"""A fault injected on purpose (``--fault``), on whichever rank recorded it."""
+FAILURE_EVENTS = frozenset({ev.PEER_SILENT, ev.DETERMINISTIC_ERROR, ev.DIVERGED})
+"""A rank reporting a failure that ends its attempt: a silent peer, an error a restart
+would repeat, a loss that is not finite."""
+WATCHDOG_EVENTS = frozenset({ev.WATCHDOG_STALL})
 """The hang watchdog giving up on a rank."""
-DETECTOR_EVENTS = frozenset({ev.STRAGGLERS, "straggler"})
+DETECTOR_EVENTS = frozenset({ev.STRAGGLERS})
 """The straggler detector's verdict."""
 
 
