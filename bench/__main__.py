@@ -22,7 +22,7 @@ from bench import curves as cost_curves
 from bench import memory_tier
 from bench import metrics as m
 from bench import rendezvous as rdzv
-from bench.async_rounds import async_rounds
+from bench.async_rounds import async_rounds, staging_rounds
 from bench.elastic_runs import (
     LOADER_EXAMPLE,
     WARM_MODULE,
@@ -80,6 +80,10 @@ class Mode:
     async_rounds: int
     """Rounds of async_stall and persist_interference (each saves the whole state three
     times, then persists it once more under training steps)."""
+    staging_saves: int
+    """Async saves in a row of async_staging_growth."""
+    staging_bytes: int
+    """Checkpoint size of async_staging_growth's state."""
     memory: memory_tier.Mode
     """The mode of :mod:`bench.memory_tier` (memory_tier_stall, peer_restore_vs_disk)."""
     rendezvous_n: tuple[int, ...]
@@ -101,6 +105,8 @@ QUICK = Mode(
     silent_runs=0,
     spawn_rounds=2,
     async_rounds=3,
+    staging_saves=10,
+    staging_bytes=32 << 20,
     memory=memory_tier.QUICK,
     rendezvous_n=rdzv.QUICK_N,
     curves=cost_curves.QUICK,
@@ -118,6 +124,8 @@ FULL = Mode(
     silent_runs=2,
     spawn_rounds=3,
     async_rounds=3,
+    staging_saves=100,
+    staging_bytes=256 << 20,
     memory=memory_tier.FULL,
     rendezvous_n=rdzv.FULL_N,
     curves=cost_curves.FULL,
@@ -195,7 +203,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help=f"64 MB state instead of 1 GB, {QUICK.rounds} rounds instead of {FULL.rounds} "
         f"({QUICK.spawn_rounds} instead of {FULL.spawn_rounds} for reshard_load, "
         "trainer_overhead and the export group, which start processes per sample; "
-        f"{QUICK.async_rounds} for async_stall and persist_interference in both), "
+        f"{QUICK.async_rounds} for async_stall and persist_interference in both; "
+        f"{QUICK.staging_saves} instead of {FULL.staging_saves} async saves in a row of "
+        f"{QUICK.staging_bytes >> 20} instead of {FULL.staging_bytes >> 20} MB for "
+        "async_staging_growth), "
         "smaller async/gcs states, shorter training runs, bench.memory_tier's quick mode "
         f"({q.stall_rounds} instead of {f.stall_rounds} stall rounds of {q.stall_steps} "
         f"instead of {f.stall_steps} steps, {q.restore_rounds} instead of {f.restore_rounds} "
@@ -313,7 +324,15 @@ def _async(work: str, mode: Mode) -> list[m.Metric]:
         WARMUP_STEPS,
         timeout_s=mode.timeout_s,
     )[0]
-    return m.async_metrics(raw)
+    staging = run_on_ranks(
+        staging_rounds,
+        RANKS,
+        work,
+        layer_width(mode.staging_bytes),
+        mode.staging_saves,
+        timeout_s=mode.timeout_s,
+    )[0]
+    return [*m.async_metrics(raw), m.staging_growth_metric(staging)]
 
 
 def _overhead(work: str, mode: Mode) -> list[m.Metric]:

@@ -201,6 +201,37 @@ def async_rounds(
     }
 
 
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def staging_rounds(rank: int, world: int, work: str, width: int, saves: int) -> dict[str, Any]:
+    """``saves`` async saves in a row through one ``CheckpointManager``, as a training
+    loop makes them, each waited for; this process's RSS after each one committed.
+
+    The first save allocates the staging buffers; the others must reuse them, so RSS
+    after the last save stays near RSS after the first (``async_staging_growth``).
+    """
+    import ckpt
+
+    model, optim = build_trained(width)
+    root = os.path.join(work, "staging")
+    rss_mib: list[float] = []
+    state = {"model": model, "optim": optim}
+    with ckpt.CheckpointManager(root, state=state, async_save=True, keep_last=2) as manager:
+        for step in range(1, saves + 1):
+            manager.save(step, blocking=False)
+            manager.wait()
+            rss_mib.append(_rss_mib())
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "rss_mib": _gather(rss_mib),
+        "state_bytes": sum(_gather(local_tensor_bytes(sharded_state(model, optim)))),
+    }
+
+
 def _gather(value: Any) -> list[Any]:
     from bench.rounds import dist_all_gather
 

@@ -35,6 +35,7 @@ SPEC = [
     ("trainer_overhead", 0.98, ">="),
     ("async_stall", 0.05, "<="),
     ("persist_interference", 1.10, "<="),
+    ("async_staging_growth", 0.05, "<="),
     ("memory_tier_stall", 0.02, "<="),
     ("peer_restore_vs_disk", 0.5, "<="),
     ("restart_overhead", 1.2, "<="),
@@ -108,6 +109,16 @@ def test_metric_takes_target_and_direction_from_the_table(name, target, directio
     assert not m.Metric(name=name, value=worse).ok
     assert m.Metric(name=name, value=better).ok
     assert not m.Metric(name=name, value=math.nan).ok
+
+
+def test_staging_growth_is_the_rank_that_grew_most_over_its_first_save():
+    raw = {"rss_mib": [[500.0, 510.0, 505.0], [400.0, 420.0, 440.0]], "state_bytes": 1 << 20}
+    metric = m.staging_growth_metric(raw)
+    assert metric.value == pytest.approx(0.10)
+    assert not metric.ok
+    assert metric.detail["saves"] == 3 and metric.detail["rss_peak_mib"] == [510.0, 440.0]
+    steady = m.staging_growth_metric({"rss_mib": [[500.0, 501.0]], "state_bytes": 1})
+    assert steady.ok
 
 
 def test_unknown_metric_name_is_refused():
