@@ -423,6 +423,18 @@ def _not_quarantined_by_us(storage: Storage, dirname: str) -> str:
     return ""
 
 
+def _export_rank(text: str) -> int | str:
+    if text == "mean":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a rank number >= 0 or 'mean'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a rank number >= 0 or 'mean'")
+    return value
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from ckpt.interop.export import describe, export, load_rename_table
 
@@ -437,6 +449,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         rename=load_rename_table(args.rename) if args.rename else None,
         config=args.config,
         progress=sys.stderr,
+        rank=args.rank,
+        unwrap=not args.keep_wrapper_names,
     )
     print(describe(result))
     return EXIT_OK
@@ -570,6 +584,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="safetensors: copy FILE as OUT/config.json (default: the config and generation "
         "config the checkpoint recorded for a transformers model; without either, a warning: "
         "from_pretrained needs a config.json)",
+    )
+    p.add_argument(
+        "--rank",
+        type=_export_rank,
+        default=0,
+        metavar="R|mean",
+        help="tensors the checkpoint holds per rank (BatchNorm statistics under DDP/FSDP2): "
+        "write rank R's copy (default 0) or 'mean' for their average; said at WARNING",
+    )
+    p.add_argument(
+        "--keep-wrapper-names",
+        action="store_true",
+        help="keep a wrapper's names as saved (default: a DDP/AveragedModel state loses its "
+        "'module.' prefix and its n_averaged, so the export loads into the plain module)",
     )
     p.set_defaults(func=cmd_export)
     return parser

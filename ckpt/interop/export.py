@@ -65,7 +65,6 @@ from typing import Any, TextIO
 import fsspec
 import torch
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
@@ -81,6 +80,8 @@ from ckpt.lifecycle.quarantine import parse_quarantined_dirname
 from ckpt.loading.discovery import COMMITTED, resolve
 from ckpt.loading.reader import ShardReader
 from ckpt.loading.verify import MODE_FAST, VerifyReport, verify_dir
+from ckpt.state.per_rank import PATH_SEP as PER_RANK_PATH_SEP
+from ckpt.state.per_rank import PER_RANK_KEY
 from ckpt.storage import Storage, crc32c_of_object
 from ckpt.storage.local import LocalSink
 from ckpt.tiers import manager_record
@@ -91,6 +92,8 @@ FORMAT_SAFETENSORS = "safetensors"
 FORMAT_TORCH = "torch"
 FORMATS = (FORMAT_SAFETENSORS, FORMAT_TORCH)
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+RANK_MEAN = "mean"
+"""``rank=`` value that averages the ranks' copies of per-rank tensors."""
 """As ``transformers``' ``save_pretrained``: decimal units (5GB = 5 * 10**9 bytes)."""
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -151,6 +154,12 @@ class ExportResult:
     """The dtypes written, e.g. ``["bfloat16"]``."""
     skipped: list[str] = field(default_factory=list)
     """Non-tensor items under the model key (not representable in the output)."""
+    per_rank: list[str] = field(default_factory=list)
+    """Output names of tensors the checkpoint holds per rank (BatchNorm statistics...)."""
+    per_rank_source: str = ""
+    """Whose copy of them was written: ``"rank R"`` or ``"mean of N ranks"``."""
+    unwrapped: str = ""
+    """The wrapper whose names were undone (``"AveragedModel"``, ``"DDP"``), or empty."""
     bytes_read: int = 0
     """Checkpoint bytes read for the tensors (verified items; the optimizer's are never read)."""
     seconds: float = 0.0
@@ -193,6 +202,8 @@ class Chunk:
     path: str
     offset: int
     length: int
+    copy: int = 0
+    """Which rank's copy it belongs to, for a tensor averaged over ranks' copies."""
 
 
 @dataclass(slots=True)
@@ -205,6 +216,9 @@ class TensorPlan:
     stored_dtype: torch.dtype
     dtype: torch.dtype
     chunks: list[Chunk]
+    copies: int = 1
+    """More than 1: ``chunks`` hold that many ranks' copies of a per-rank tensor (each
+    chunk's ``copy``), and the output is their mean."""
 
     @property
     def nbytes(self) -> int:
@@ -227,6 +241,51 @@ def _model_items(metadata: Metadata, model_key: str) -> dict[str, str]:
         elif key.startswith(prefix):
             out[key] = key[len(prefix) :]
     return out
+
+
+def _per_rank_items(metadata: Metadata, model_key: str) -> dict[int, dict[str, str]]:
+    """``{rank: {stored key: name inside the model}}`` of the tensors under ``model_key``
+    that the checkpoint holds per rank (``per_rank.rank_R.<model_key>/<name>``,
+    :mod:`ckpt.state.per_rank`)."""
+    out: dict[int, dict[str, str]] = {}
+    planner = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    inner_prefix = f"{model_key}{PER_RANK_PATH_SEP}"
+    for key in metadata.state_dict_metadata:
+        path = planner.get(key)
+        if isinstance(path, tuple) and len(path) == 3:
+            head, rank_name, inner = (str(p) for p in path)
+        else:
+            parts = key.split(".", 2)
+            if len(parts) != 3:
+                continue
+            head, rank_name, inner = parts
+        match = _RANK_NAME.fullmatch(rank_name)
+        if head != PER_RANK_KEY or match is None or not inner.startswith(inner_prefix):
+            continue
+        out.setdefault(int(match.group(1)), {})[key] = inner[len(inner_prefix) :]
+    return out
+
+
+_RANK_NAME = re.compile(r"rank_(\d{1,9})")
+WRAPPER_PREFIX = "module."
+"""The prefix DDP, DataParallel and AveragedModel put before the wrapped module's names."""
+WRAPPER_BOOKKEEPING = {"n_averaged": "AveragedModel"}
+"""Entries a wrapper adds beside the wrapped module's own (left out when unwrapping)."""
+
+
+def wrapper_of(names: set[str]) -> tuple[str, int, set[str]]:
+    """``(wrapper, prefixes, bookkeeping)`` when every name but a wrapper's bookkeeping
+    starts with ``module.`` (DDP, DataParallel, AveragedModel; nested ones count each
+    prefix), else ``("", 0, set())``."""
+    bookkeeping = {n for n in names if n in WRAPPER_BOOKKEEPING}
+    rest = names - bookkeeping
+    prefixes = 0
+    while rest and all(n.startswith(WRAPPER_PREFIX * (prefixes + 1)) for n in rest):
+        prefixes += 1
+    if prefixes == 0:
+        return "", 0, set()
+    kinds = sorted({WRAPPER_BOOKKEEPING[n] for n in bookkeeping}) or ["DDP"]
+    return "/".join(kinds), prefixes, bookkeeping
 
 
 def top_level_keys(metadata: Metadata) -> list[str]:
@@ -268,6 +327,83 @@ def _say_unmatched(table: Mapping[str, Any], names: set[str], model_key: str, ur
     )
 
 
+def _chunks_of(
+    key: str, md: TensorStorageMetadata, storage: Mapping[Any, Any], url: str, copy: int = 0
+) -> list[Chunk]:
+    """The stored chunks of item ``key``; they must cover its every element."""
+    chunks = []
+    covered = 0
+    for chunk in md.chunks:
+        info = storage.get(MetadataIndex(key, chunk.offsets))
+        if info is None:
+            raise CorruptCheckpointError(
+                f"{url}: .metadata lists a chunk of {key!r} at {list(chunk.offsets)} but no "
+                "file holds it",
+                url=url,
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise ExportError(
+                f"{url}: {key!r} is stored with transforms {info.transform_descriptors}, "
+                "which export does not decode"
+            )
+        numel = 1
+        for n in chunk.sizes:
+            numel *= n
+        covered += numel
+        chunks.append(
+            Chunk(
+                offsets=tuple(chunk.offsets),
+                sizes=tuple(chunk.sizes),
+                path=info.relative_path,
+                offset=int(info.offset),
+                length=int(info.length),
+                copy=copy,
+            )
+        )
+    total = 1
+    for n in md.size:
+        total *= n
+    if covered != total:
+        raise CorruptCheckpointError(
+            f"{url}: the chunks of {key!r} cover {covered} of its {total} elements", url=url
+        )
+    return chunks
+
+
+@dataclass(slots=True)
+class ExportPlan:
+    """What :func:`plan_tensors` decided besides the tensors: skipped items, per-rank
+    tensors and whose copy, the wrapper undone."""
+
+    skipped: list[str] = field(default_factory=list)
+    per_rank: list[str] = field(default_factory=list)
+    per_rank_source: str = ""
+    unwrapped: str = ""
+    dropped: list[str] = field(default_factory=list)
+    """A wrapper's bookkeeping left out (``n_averaged``)."""
+
+
+def _per_rank_sources(
+    per_rank: dict[int, dict[str, str]], rank: int | str, url: str
+) -> tuple[dict[str, list[str]], str]:
+    """``{name: [stored key per copy]}`` of the per-rank tensors to write, and whose."""
+    if not per_rank:
+        return {}, ""
+    ranks = sorted(per_rank)
+    if rank == RANK_MEAN:
+        sources: dict[str, list[str]] = {}
+        for r in ranks:
+            for key, name in per_rank[r].items():
+                sources.setdefault(name, []).append(key)
+        return sources, f"mean of {len(ranks)} ranks"
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank not in per_rank:
+        raise ExportError(
+            f"{url}: rank {rank!r} has no per-rank copy; this checkpoint holds ranks "
+            f"{', '.join(map(str, ranks))}: pass one of them or {RANK_MEAN!r} (--rank)"
+        )
+    return {name: [key] for key, name in per_rank[rank].items()}, f"rank {rank}"
+
+
 def plan_tensors(
     metadata: Metadata,
     *,
@@ -275,32 +411,59 @@ def plan_tensors(
     dtype: torch.dtype | None = None,
     rename: Rename | None = None,
     url: str = "",
-) -> tuple[list[TensorPlan], list[str]]:
-    """The tensors to export in stored order, and the non-tensor items skipped.
+    rank: int | str = 0,
+    unwrap: bool = True,
+) -> tuple[list[TensorPlan], ExportPlan]:
+    """The tensors to export in stored order, and what else was decided (:class:`ExportPlan`).
 
-    ``rename`` maps a model name to the output name (None drops the tensor); names it
-    does not list stay as they are. Entries of a rename table that name no item of the
-    model (a typo) are said at WARNING; a callable is not checked. ``dtype`` casts
-    floating tensors only.
+    Tensors the checkpoint holds per rank (BatchNorm statistics under DDP or FSDP2) are
+    written from ``rank``'s copy, or averaged over every rank's copy with ``"mean"``
+    (floating tensors; others from the lowest rank). With ``unwrap``, the names of a
+    wrapper's state (DDP, AveragedModel: ``module.`` before every name) lose the prefix
+    and its bookkeeping (``n_averaged``) is left out, so the output loads strictly into
+    the plain module. ``rename`` maps a model name (after unwrapping) to the output
+    name (None drops the tensor); names it does not list stay as they are. Entries of a
+    rename table that name no item of the model (a typo) are said at WARNING; a callable
+    is not checked. ``dtype`` casts floating tensors only.
     """
     items = _model_items(metadata, model_key)
-    if not items:
+    per_rank = _per_rank_items(metadata, model_key)
+    if not items and not per_rank:
         raise ExportError(
             f"{url}: no item under the model key {model_key!r}; this checkpoint's top-level "
             f"keys are {', '.join(top_level_keys(metadata)) or '(none)'}: pass one of them "
             "with --model-key"
         )
+    decided = ExportPlan()
+    per_rank_sources, decided.per_rank_source = _per_rank_sources(per_rank, rank, url)
+    sources: dict[str, list[str]] = {inner: [key] for key, inner in items.items()}
+    sources.update(per_rank_sources)
+    if unwrap:
+        wrapper, prefixes, bookkeeping = wrapper_of(set(sources))
+        if prefixes:
+            decided.unwrapped = wrapper
+            decided.dropped = sorted(bookkeeping)
+            cut = len(WRAPPER_PREFIX) * prefixes
+            renamed = {}
+            for inner, keys in sources.items():
+                if inner not in bookkeeping:
+                    renamed[inner[cut:]] = keys
+            per_rank_names = {inner[cut:] for inner in per_rank_sources}
+            sources = renamed
+        else:
+            per_rank_names = set(per_rank_sources)
+    else:
+        per_rank_names = set(per_rank_sources)
     name_of = _renamer(rename)
     if isinstance(rename, Mapping):
-        _say_unmatched(rename, set(items.values()), model_key, url)
+        _say_unmatched(rename, set(sources), model_key, url)
     storage = metadata.storage_data or {}
     plans: list[TensorPlan] = []
-    skipped: list[str] = []
     seen: dict[str, str] = {}
-    for key, inner in items.items():
-        md = metadata.state_dict_metadata[key]
-        if isinstance(md, BytesStorageMetadata) or not isinstance(md, TensorStorageMetadata):
-            skipped.append(inner)
+    for inner, keys in sources.items():
+        mds = [metadata.state_dict_metadata[key] for key in keys]
+        if any(not isinstance(md, TensorStorageMetadata) for md in mds):
+            decided.skipped.append(inner)
             continue
         name = name_of(inner)
         if name is None:
@@ -313,62 +476,42 @@ def plan_tensors(
                 "be unique"
             )
         seen[name] = inner
+        md = mds[0]
         stored = md.properties.dtype
+        if any(m.size != md.size or m.properties.dtype != stored for m in mds[1:]):
+            raise ExportError(
+                f"{url}: the ranks' copies of {inner!r} differ in shape or dtype: they cannot "
+                "be averaged; pick one rank's copy (--rank)"
+            )
+        if len(keys) > 1 and not stored.is_floating_point:
+            keys, mds = keys[:1], mds[:1]  # a count or an index: the lowest rank's copy
         out_dtype = dtype if dtype is not None and stored.is_floating_point else stored
         if out_dtype not in _SAFETENSORS_DTYPES:
             raise ExportError(
-                f"{url}: tensor {key!r} has dtype {stored}, which export cannot write"
+                f"{url}: tensor {keys[0]!r} has dtype {stored}, which export cannot write"
             )
-        chunks = []
-        covered = 0
-        for chunk in md.chunks:
-            info = storage.get(MetadataIndex(key, chunk.offsets))
-            if info is None:
-                raise CorruptCheckpointError(
-                    f"{url}: .metadata lists a chunk of {key!r} at {list(chunk.offsets)} but no "
-                    "file holds it",
-                    url=url,
-                )
-            if getattr(info, "transform_descriptors", None):
-                raise ExportError(
-                    f"{url}: {key!r} is stored with transforms {info.transform_descriptors}, "
-                    "which export does not decode"
-                )
-            numel = 1
-            for n in chunk.sizes:
-                numel *= n
-            covered += numel
-            chunks.append(
-                Chunk(
-                    offsets=tuple(chunk.offsets),
-                    sizes=tuple(chunk.sizes),
-                    path=info.relative_path,
-                    offset=int(info.offset),
-                    length=int(info.length),
-                )
-            )
-        total = 1
-        for n in md.size:
-            total *= n
-        if covered != total:
-            raise CorruptCheckpointError(
-                f"{url}: the chunks of {key!r} cover {covered} of its {total} elements",
-                url=url,
-            )
+        chunks = [
+            chunk
+            for copy, (key, item) in enumerate(zip(keys, mds))
+            for chunk in _chunks_of(key, item, storage, url, copy)
+        ]
         chunks.sort(key=lambda c: (c.path, c.offset))
+        if inner in per_rank_names:
+            decided.per_rank.append(name)
         plans.append(
             TensorPlan(
-                key=key,
+                key=keys[0],
                 name=name,
                 shape=tuple(md.size),
                 stored_dtype=stored,
                 dtype=out_dtype,
                 chunks=chunks,
+                copies=len(keys),
             )
         )
     if not plans:
         raise ExportError(f"{url}: nothing to export under {model_key!r} (no tensors left)")
-    return plans, skipped
+    return plans, decided
 
 
 def plan_shards(tensors: list[TensorPlan], max_shard_bytes: int) -> list[list[TensorPlan]]:
@@ -530,6 +673,8 @@ def row_blocks(tensor: TensorPlan) -> list[Chunk] | None:
     is the usual case: the output bytes of the tensor are then the chunks' bytes one
     after the other, and the tensor is never assembled in memory.
     """
+    if tensor.copies > 1:
+        return None  # several ranks' copies, averaged: assembled whole
     if not tensor.shape:
         return list(tensor.chunks) if len(tensor.chunks) == 1 else None
     for chunk in tensor.chunks:
@@ -562,6 +707,15 @@ def assemble(
     bytes when no cast is needed (read-only: written out, never modified). Several: the
     full tensor, assembled.
     """
+    if tensor.copies > 1:
+        fulls = [torch.empty(tensor.shape, dtype=tensor.stored_dtype) for _ in range(tensor.copies)]
+        for chunk, piece in zip(chunks, pieces):
+            region = fulls[chunk.copy]
+            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                region = region.narrow(dim, start, length)
+            region.copy_(_decode(piece, chunk, tensor, url))
+        mean = torch.stack([f.double() for f in fulls]).mean(dim=0)
+        return mean.to(tensor.dtype).contiguous()
     if len(chunks) == 1:
         value = _decode(pieces[0], chunks[0], tensor, url)
         return value.to(tensor.dtype).contiguous()
@@ -817,6 +971,8 @@ def export(
     rename: Rename | None = None,
     config: str | None = None,
     progress: TextIO | None = None,
+    rank: int | str = 0,
+    unwrap: bool = True,
 ) -> ExportResult:
     """Write the model of one committed checkpoint as safetensors or one torch file.
 
@@ -828,8 +984,11 @@ def export(
     tensor); ``config`` is a ``config.json`` to copy next to the weights (safetensors;
     default: the one the manager recorded for a ``transformers`` model, which also
     brings its ``generation_config.json``; with neither, a WARNING).
-    ``progress``: a stream for progress lines (the CLI passes stderr). Single process;
-    no collectives. See the module docstring for what is verified and the atomicity.
+    ``progress``: a stream for progress lines (the CLI passes stderr). ``rank``: whose
+    copy of the tensors saved per rank (BatchNorm statistics) is written, or ``"mean"``
+    for their average; ``unwrap``: undo a wrapper's names (DDP, AveragedModel), both said
+    at WARNING (:func:`plan_tensors`). Single process; no collectives. See the module
+    docstring for what is verified and the atomicity.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
@@ -859,9 +1018,17 @@ def export(
     if any(path in (DCP_METADATA_NAME, "") for path, _ in report.problems):
         report.raise_if_bad()  # .metadata and the listing first: nothing is read past them
     metadata = ShardReader(ckpt_dir, manifest).fetch_metadata()
-    tensors, skipped = plan_tensors(
-        metadata, model_key=model_key, dtype=out_dtype, rename=rename, url=url
+    tensors, decided = plan_tensors(
+        metadata,
+        model_key=model_key,
+        dtype=out_dtype,
+        rename=rename,
+        url=url,
+        rank=rank,
+        unwrap=unwrap,
     )
+    skipped = decided.skipped
+    _say_decisions(decided, model_key)
     _check_files(report, tensors)
     if skipped:
         logger.warning(
@@ -912,9 +1079,39 @@ def export(
         bytes=total,
         dtypes=sorted({str(t.dtype).removeprefix("torch.") for t in tensors}),
         skipped=skipped,
+        per_rank=decided.per_rank,
+        per_rank_source=decided.per_rank_source,
+        unwrapped=decided.unwrapped,
         bytes_read=source.bytes_read,
         seconds=time.monotonic() - started,
     )
+
+
+def _say_decisions(decided: ExportPlan, model_key: str) -> None:
+    """WARNING lines for what the output holds that is not simply the stored model."""
+    if decided.per_rank:
+        logger.warning(
+            "ckpt export: %d tensor(s) under %r differ between ranks (saved per rank): %s; "
+            "the export holds the %s (--rank R picks another rank's copy, --rank mean their "
+            "average)",
+            len(decided.per_rank),
+            model_key,
+            ", ".join(decided.per_rank[:10]) + (" ..." if len(decided.per_rank) > 10 else ""),
+            f"{decided.per_rank_source}'s copy"
+            if decided.per_rank_source.startswith("rank")
+            else decided.per_rank_source,
+        )
+    if decided.unwrapped:
+        logger.warning(
+            "ckpt export: %r holds a wrapper's state (%s): the names lose their %r prefix%s, "
+            "so the export loads into the plain module (--keep-wrapper-names keeps them)",
+            model_key,
+            decided.unwrapped,
+            WRAPPER_PREFIX,
+            f" and its bookkeeping ({', '.join(decided.dropped)}) is left out"
+            if decided.dropped
+            else "",
+        )
 
 
 def describe(result: ExportResult) -> str:
@@ -934,12 +1131,17 @@ def describe(result: ExportResult) -> str:
     ]
     if result.skipped:
         lines.append(f"  skipped {len(result.skipped)} non-tensor item(s)")
+    if result.per_rank:
+        lines.append(f"  per rank {len(result.per_rank)} tensor(s) from {result.per_rank_source}")
+    if result.unwrapped:
+        lines.append(f"  unwrapped {result.unwrapped} names")
     return "\n".join(lines)
 
 
 __all__ = [
     "DTYPES",
     "FORMATS",
+    "RANK_MEAN",
     "ExportError",
     "ExportResult",
     "describe",
