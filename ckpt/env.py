@@ -32,6 +32,7 @@ LEASE_TTL_S = "CKPT_LEASE_TTL_S"
 JOB_ID = "CKPT_JOB_ID"
 RUN_ID = "TORCHELASTIC_RUN_ID"
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_CLUSTER_NAME = "SLURM_CLUSTER_NAME"
 EMULATOR_HOST = "STORAGE_EMULATOR_HOST"
@@ -50,6 +51,7 @@ VARIABLES: dict[str, str] = {
     JOB_ID: "names the job for the root's owner lease: its relaunches take the lease over at once",
     RUN_ID: "set by torchrun: the run id recorded in each checkpoint's writer identity",
     RESTART_COUNT: "set by torchrun: the restart count recorded with the run id",
+    MAX_RESTARTS: "set by torchrun: restarts allowed; with no periodic save each starts at step 0 (said)",
     SLURM_JOB_ID: "set by Slurm: a requeued job keeps it, so it keeps its root's lease",
     SLURM_CLUSTER_NAME: "set by Slurm: qualifies SLURM_JOB_ID in the lease's job identity",
     EMULATOR_HOST: "a GCS emulator's URL: gs:// goes there, anonymously",
@@ -127,6 +129,11 @@ def get_float(
 def run_identity(env: Mapping[str, str] | None = None) -> tuple[str, int]:
     """(run id, restart count) as torchrun sets them; ("local", 0) outside torchrun."""
     return get_str(RUN_ID, "local", env), get_int(RESTART_COUNT, 0, minimum=0, env=env)
+
+
+def max_restarts(env: Mapping[str, str] | None = None) -> int:
+    """Restarts torchrun allows this job (``--max-restarts``); 0 outside torchrun."""
+    return get_int(MAX_RESTARTS, 0, minimum=0, env=env)
 
 
 DEFAULT_LEASE_TTL_S = 60.0

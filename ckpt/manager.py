@@ -45,6 +45,7 @@ from ckpt.lifecycle import root_check as _root_check
 from ckpt.lifecycle.lease import JobIdentity, RootLease, take_lease
 from ckpt.lifecycle.retention import RetentionPolicy
 from ckpt.lifecycle.retention import describe as describe_retention
+from ckpt.loading import fresh_start
 from ckpt.loading.discovery import Catalog
 from ckpt.loading.resume import ResumeInfo, ResumeWalk
 from ckpt.options import CheckpointOptions
@@ -228,7 +229,7 @@ class CheckpointManager:
         self._tiers = _build_tiers(DEFAULT_TIERS if tiers is None else tiers, context)
         self._durable = self._tiers[-1]
         if self.rank == 0:
-            logger.warning("rank 0: checkpoints under %s: %s", root, describe_retention(retention))
+            _say_start(root, options, describe_retention(retention))
             for key in self.app.unsaved_schedulers():
                 logger.warning(
                     "rank 0: state[%r] is stepped by an LR scheduler that is not in the "
@@ -313,6 +314,11 @@ class CheckpointManager:
         ``TORCHELASTIC_RUN_ID``, and a lower restart count; the job-wide restart count is
         one small collective) is loaded; the first attempt loads nothing.
         """
+        existed, siblings = (
+            fresh_start.local_root_state(Storage(self.root, self.storage_options).root_path)
+            if self.rank == 0 and Storage(self.root, self.storage_options).backend.scheme == "file"
+            else (None, [])
+        )
         entries = self._check_root()
         this_job = None
         if this_job_only:
@@ -336,6 +342,13 @@ class CheckpointManager:
             emit=self._emit,
             param_groups=self.options.param_groups,
             this_job=this_job,
+        )
+        walk.fresh_start_note = fresh_start.fresh_start_message(
+            self.root,
+            restart_count=_env.run_identity()[1],
+            periodic=bool(self.options.every or self.options.memory_every),
+            root_existed=existed,
+            siblings=siblings,
         )
         step = walk.run(catalog, self._tiers, must=must)
         if walk.info is not None:
@@ -545,3 +558,15 @@ def _build_tiers(builders: Sequence[TierBuilder], context: TierContext) -> list[
             f"with strict {strict}"
         )
     return tiers
+
+
+def _say_start(root: str, options: CheckpointOptions, retention: str) -> None:
+    """Rank 0's start-up lines: retention once per job (its first attempt), and a WARNING
+    when torchrun may restart the job but nothing saves periodically."""
+    if _env.run_identity()[1] == 0:
+        logger.warning("rank 0: checkpoints under %s: %s", root, retention)
+    else:
+        logger.info("rank 0: checkpoints under %s: %s", root, retention)
+    restarts = _env.max_restarts()
+    if restarts > 0 and not options.every and not options.memory_every:
+        logger.warning("rank 0: %s", fresh_start.no_periodic_save_message(restarts))

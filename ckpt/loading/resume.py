@@ -106,6 +106,9 @@ class ResumeWalk:
         """The newest durable commit after this resume (a memory snapshot is not one)."""
         self.resumed_durable: int | None = None
         """The durable checkpoint resumed from: retention must keep it until a newer commit."""
+        self.fresh_start_note: str | None = None
+        """What a start from step 0 means here (:mod:`ckpt.loading.fresh_start`), said by
+        rank 0 when nothing is resumed."""
 
     def run(self, catalog: Catalog, tiers: list[Tier], *, must: bool) -> int | None:
         """Load the first candidate that fits; its step, or None when there is nothing."""
@@ -232,9 +235,10 @@ class ResumeWalk:
                 "(must=True / --resume must); check the root, or resume only if one exists"
             )
         if self.rank == 0:
-            logger.warning(
-                "rank 0: no committed checkpoint under %s: starting from step 0", self.root
+            note = self.fresh_start_note or (
+                f"no committed checkpoint under {self.root}: starting from step 0"
             )
+            logger.warning("rank 0: %s", note)
 
     def _tier_choice(self, tier: Tier | None, step: int, scope: ResumeScope) -> None:
         """The ``tier_choice`` event of a resume over several tiers: which tier (None:
