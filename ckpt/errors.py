@@ -10,11 +10,13 @@ the storage layer turns them into :class:`StorageError`).
 :class:`StateMismatchError` (and so :class:`CheckpointShapeError`), :class:`DataPositionError`
 and :class:`StateSpecError` are deterministic (``runcore.errors.DeterministicError``): the
 same script on the same checkpoint raises them again, so a restart cannot help.
+:class:`CheckpointDirError` (and so :class:`RootLeaseError`) ends a job at once
+(``runcore.errors.JobEndingError``): a retry must not adopt another job's root.
 """
 
 from __future__ import annotations
 
-from runcore.errors import DeterministicError
+from runcore.errors import DeterministicError, JobEndingError
 
 
 class CheckpointError(Exception):
@@ -113,8 +115,12 @@ class TooManySaveFailuresError(SaveFailedError):
     """
 
 
-class CheckpointDirError(CheckpointError):
-    """The checkpoint root cannot be created, listed or reached (bad URL, permissions, bucket)."""
+class CheckpointDirError(CheckpointError, JobEndingError):
+    """The checkpoint root cannot be created, listed or reached (bad URL, permissions, bucket).
+
+    Ends the job at its first occurrence under ``elastic.RunGuard``: a restart finds the
+    same root (and for :class:`RootLeaseError`, would adopt another job's root once it
+    ends)."""
 
 
 class NonFiniteStateError(SaveFailedError):

@@ -68,11 +68,11 @@ from elastic.heartbeat import (
 )
 from elastic.identity import RunIdentity, job_restart_count, restart_setup_problem
 from elastic.preemption import PreemptionHandler, agree_on_preemption
-from elastic.repeats import MAX_MESSAGE_CHARS, ErrorNote, note_for, same_failure, stop_if_repeated
+from elastic.repeats import MAX_MESSAGE_CHARS, ErrorNote, merge_note, note_for, stop_if_repeated
 from elastic.straggler import StragglerMonitor
 from elastic.watchdog import Watchdog
 from runcore import events as ev
-from runcore.errors import is_deterministic
+from runcore.errors import ends_the_job, is_deterministic
 
 T = TypeVar("T")
 
@@ -266,7 +266,8 @@ class RunGuard:
             restart_count=self.attempt,
         )
         previous = self._notes.read() if self._notes is not None else None
-        repeated = same_failure(previous, note)
+        ends_job = ends_the_job(exc)
+        repeated = merge_note(previous, note, ends_job=ends_job).repeated
         if self._notes is not None:
             self._notes.write(dataclasses.replace(note, repeated=repeated))
         self.event(
@@ -280,7 +281,13 @@ class RunGuard:
         )
         if self.rank != 0:
             return
-        if repeated:
+        if ends_job and self._notes is not None:
+            logger.error(
+                "rank 0: %s at %s: a restart cannot fix it and must not retry it, so this "
+                "job's remaining restarts end at start-up. Fix the cause and launch again",
+                note.error, note.point,
+            )  # fmt: skip
+        elif repeated:
             logger.error(
                 "rank 0: %s at %s again, as in the attempt before: a restart runs the same "
                 "code on the same checkpoint and cannot fix it, so this job's remaining "

@@ -17,12 +17,28 @@ class DeterministicError(Exception):
     """Mixin for exceptions a restart reproduces (same code, same checkpoint, same point)."""
 
 
-def is_deterministic(exc: BaseException | None) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) is a :class:`DeterministicError`."""
+class JobEndingError(DeterministicError):
+    """Mixin for deterministic errors where a restart must not even try again: a root that
+    is not usable, another job's root (a retry would adopt it once that job ends), a
+    configuration that does not parse. The first occurrence ends the job's remaining
+    attempts at start-up (``elastic.repeats``)."""
+
+
+def _in_chain(exc: BaseException | None, kind: type[BaseException]) -> bool:
     seen = 0
     while exc is not None and seen < 8:  # a cause chain is short; never loop on a cycle
-        if isinstance(exc, DeterministicError):
+        if isinstance(exc, kind):
             return True
         exc = exc.__cause__
         seen += 1
     return False
+
+
+def ends_the_job(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a :class:`JobEndingError`."""
+    return _in_chain(exc, JobEndingError)
+
+
+def is_deterministic(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a :class:`DeterministicError`."""
+    return _in_chain(exc, DeterministicError)

@@ -192,3 +192,22 @@ def test_the_events_of_a_real_run_match_the_schema(tmp_path: Path) -> None:
     incomplete = {r["event"]: ev.missing_fields(r) for r in records if ev.missing_fields(r)}
     assert not incomplete, incomplete
     assert "lacks field" not in first.stderr + second.stderr
+
+
+def test_a_job_ending_error_is_deterministic_and_found_through_its_causes():
+    from runcore.errors import DeterministicError, JobEndingError, ends_the_job, is_deterministic
+
+    class Refused(JobEndingError):
+        pass
+
+    class Plain(DeterministicError):
+        pass
+
+    try:
+        try:
+            raise Refused("root held")
+        except Refused as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        assert ends_the_job(outer) and is_deterministic(outer)
+    assert is_deterministic(Plain()) and not ends_the_job(Plain())

@@ -22,6 +22,7 @@ import ckpt
 from elastic.errors import Diverged, Preempted
 from elastic.identity import RunIdentity
 from elastic.process import exit_now
+from elastic.repeats import note_job_ending, stop_if_repeated
 from trainer.cli import build_parser, config_from_args
 from trainer.data import BatchLayout, BatchLayoutError
 from trainer.distributed import close_distributed, init_distributed
@@ -57,8 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         identity = RunIdentity.from_env()
+    except ValueError as exc:
+        parser.error(str(exc))
+    stop_if_repeated(identity)  # an earlier attempt's config error ends this one at once
+    try:
         cfg = config_from_args(args)
     except ValueError as exc:
+        # The same arguments fail the same way in every restart: the job ends here.
+        note_job_ending(identity, "ConfigError", str(exc))
         parser.error(str(exc))
     _setup_logging(identity.rank)
     try:
