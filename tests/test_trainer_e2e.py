@@ -402,3 +402,19 @@ def test_ckpt_storage_fault_fails_one_save_cleanly_and_training_goes_on(tmp_path
         m for kind, ms in timeline_marks(events, 0.0).items() for m in ms if kind == "fault"
     ]
     assert [(step, rank) for _, step, rank in fault_marks] == [(4, 1)]
+
+
+@pytest.mark.timeout(120)
+def test_a_new_launch_that_resumes_at_its_max_steps_says_so_and_exits_1(
+    tmp_path, caplog, restore_torch_flags
+):
+    ckpt_dir = str(tmp_path / "ckpt")
+    where = [*TINY, "--ckpt-every", "2", "--ckpt-dir", ckpt_dir, "--run-dir", str(tmp_path / "r")]
+    args = [*where, "--max-steps", "4"]
+    assert trainer_main(args) == 0
+    with caplog.at_level(logging.ERROR):
+        assert trainer_main(args) == 1  # another job's checkpoint, or this run already done
+    assert "ResumePastEndError" in caplog.text and "nothing to train" in caplog.text
+    assert "run.max_steps=4" in caplog.text
+    assert trainer_main([*args, "--set", "run.allow_resume_past_end=true"]) == 0
+    assert trainer_main([*where, "--max-steps", "6"]) == 0  # train further

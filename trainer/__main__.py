@@ -26,11 +26,11 @@ from elastic.repeats import note_job_ending, stop_if_repeated
 from trainer.cli import build_parser, config_from_args
 from trainer.data import BatchLayout, BatchLayoutError
 from trainer.distributed import close_distributed, init_distributed
-from trainer.loop import train
+from trainer.loop import ResumePastEndError, train
 
 logger = logging.getLogger("trainer")
 
-USER_ERRORS = (BatchLayoutError, ckpt.CheckpointError)
+USER_ERRORS = (BatchLayoutError, ckpt.CheckpointError, ResumePastEndError)
 """Errors caused by the configuration or the environment: reported without a traceback."""
 
 

@@ -187,6 +187,10 @@ class RunConfig:
     """``none`` or ``bf16`` (bf16 params/compute, fp32 reduction); bf16 applies on CUDA only."""
     save_final: bool = False
     """Write the full final parameters to ``run_dir/final_params.pt`` (rank 0)."""
+    allow_resume_past_end: bool = False
+    """Accept a launch whose resume lands at or past ``max_steps`` (nothing left to train)
+    and exit 0; by default such a launch exits 1 saying so: the checkpoint may be another
+    job's (a torchrun restart of this job that finds its own final step is always fine)."""
     watchdog_s: float | str = "auto"
     """Dump every stack and exit (code 124) when no step finishes for this many seconds;
     0 disables; ``"auto"`` (default): 10 x the median of the first timed steps, within

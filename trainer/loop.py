@@ -33,6 +33,7 @@ from elastic.guard import RunGuard
 from elastic.heartbeat import first_beat_bound_s
 from elastic.sampler import ElasticSampler
 from runcore import events as ev
+from runcore.errors import JobEndingError
 from trainer.build import build_model, build_optimizer
 from trainer.config import TrainConfig
 from trainer.data import BatchLayout, TokenSamples, build_samples, samples_digest
@@ -46,6 +47,11 @@ ENV_CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
 """Set (if unset) before CUDA work when ``run.deterministic``; a user's value wins."""
 METADATA_VERSION = 2
 """2: step and data position are checkpointed state (``train``, ``sampler``), not metadata."""
+
+
+class ResumePastEndError(ValueError, JobEndingError):
+    """A new launch resumed at or past ``run.max_steps``: nothing to train (exit 1, no
+    restart retries it); ``run.allow_resume_past_end`` accepts it."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -250,6 +256,26 @@ def resume(
     step = manager.resume(must=cfg.checkpoint.resume == "must")
     if step is not None and ctx.is_main:  # the manager said the resume itself at WARNING
         logger.info("rank 0: data cursor %d after step %d", run.sampler.cursor, step)
+    if step is not None and step >= cfg.run.max_steps:
+        _resumed_past_end(manager, step, cfg, ctx)
+
+
+def _resumed_past_end(
+    manager: CheckpointManager, step: int, cfg: TrainConfig, ctx: DistContext
+) -> None:
+    """A resume at or past ``max_steps``: nothing to train. Fine for a restart of this job
+    (it had finished); a new launch says so and stops, unless asked, since the checkpoint
+    may be another job's and an exit 0 would pass for this job's success."""
+    where = f"step {step} of {manager.root}, at or past run.max_steps={cfg.run.max_steps}"
+    if ctx.attempt > 0 or cfg.run.allow_resume_past_end:
+        if ctx.is_main:
+            logger.warning("rank 0: resumed %s: nothing left to train", where)
+        return
+    raise ResumePastEndError(
+        f"resumed {where}: this launch has nothing to train (the checkpoint may be another "
+        "job's, or this run already finished); raise --max-steps to train further, pass "
+        "--set run.allow_resume_past_end=true to accept it, or use another --ckpt-dir"
+    )
 
 
 def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainProgress:
