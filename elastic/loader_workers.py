@@ -43,6 +43,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from elastic.sample_seeds import note_loader
+
 SHIELDED = signal.SIGTERM
 """The signal loader workers take from their parent only."""
 FOLLOW_POLL_S = 0.05
@@ -103,6 +105,7 @@ def _starting_blocked(init: Callable[..., None]) -> Callable[..., None]:
             from multiprocessing import resource_tracker
 
             resource_tracker.ensure_running()
+        note_loader(loader)  # workers over a sampler with an unseeded dataset: said at save
         with _blocked(SHIELDED):
             init(self, loader, *args, **kwargs)
 

@@ -68,6 +68,7 @@ from elastic.rng import (
     plan_micro_batches_at,
     rank_slice,
 )
+from elastic.sample_seeds import SampleKey, SeededDataset
 from runcore import positions
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,11 @@ class ElasticSampler(Sampler[int]):
         self._current: tuple[int, int] | None = None
         """Epoch loader: (start, size) of the batch handed to the loop body last."""
         self._warned_short: set[int] = set()
+        self._keyed = False
+        """Hand out :class:`~elastic.sample_seeds.SampleKey` indices (a seeded dataset
+        reads their positions): set by :meth:`seeded`."""
+        self._unseeded_workers = 0
+        self._said_unseeded = False
         positions.register(self)
 
     @property
@@ -292,11 +298,38 @@ class ElasticSampler(Sampler[int]):
         ).hexdigest()[:32]
         self.cursor = start + size
 
+    def _indices(self, start: int, count: int) -> list[int]:
+        """The dataset indices at global positions ``[start, start + count)``: keyed
+        with their positions once :meth:`seeded` was called, plain ints otherwise."""
+        ids = self.order.sample_ids(start, count)
+        if self._keyed:
+            return [SampleKey(int(i), start + j) for j, i in enumerate(ids)]
+        return [int(i) for i in ids]
+
     def __iter__(self) -> Iterator[int]:
         cursor = self.cursor
         while True:
-            yield from (int(i) for i in self.local_batch_ids(cursor))
+            start, size = self._batch_at(cursor)
+            lo, hi = rank_slice(size, self.world_size, self.rank)
+            yield from self._indices(start + lo, hi - lo)
             cursor += self.global_batch
+
+    def seeded(self, dataset: Any) -> SeededDataset:
+        """``dataset``, its ``__getitem__`` drawing random numbers (``torch``, ``random``,
+        ``numpy``) from streams seeded by each sample's global position, so augmentation
+        resumes exactly on any worker count and world size (:mod:`elastic.sample_seeds`).
+        From now on this sampler hands out :class:`~elastic.sample_seeds.SampleKey`
+        indices. :meth:`loader` and :meth:`epoch_loader` call it; for a ``DataLoader`` of
+        your own: ``DataLoader(sampler.seeded(dataset), sampler=sampler, ...)``."""
+        self._keyed = True
+        if isinstance(dataset, SeededDataset):
+            return dataset
+        return SeededDataset(dataset, self.order.seed)
+
+    def note_unseeded_workers(self, workers: int) -> None:
+        """A ``DataLoader`` with ``workers`` worker processes iterates this sampler over a
+        dataset that is not :meth:`seeded`: said at WARNING at the first save."""
+        self._unseeded_workers = max(self._unseeded_workers, int(workers))
 
     def __bool__(self) -> bool:
         return True  # not len(): a step loader has none
@@ -307,29 +340,36 @@ class ElasticSampler(Sampler[int]):
             "other). For an epoch loop with len(loader) use sampler.epoch_loader(dataset)"
         )
 
-    def loader(self, dataset: Any, **kwargs: Any) -> DataLoader:
+    def loader(self, dataset: Any, *, seed_samples: bool = True, **kwargs: Any) -> DataLoader:
         """An endless ``DataLoader`` over ``dataset``: one local batch per ``next()``.
 
         For step loops: call :meth:`advance` once per optimizer step. It gets its own
         seeded ``generator`` unless one is given: without it, each ``iter(loader)``
         draws a seed from the global RNG, which shifts every later random draw
-        (dropout) after a resume.
+        (dropout) after a resume. ``seed_samples`` (default True): random numbers drawn
+        in ``dataset.__getitem__`` depend on each sample's position only (:meth:`seeded`).
         """
         self._set_mode(STEPS)
         kwargs.setdefault("batch_size", self.local_batch)
         kwargs.setdefault("generator", torch.Generator().manual_seed(self.order.seed))
+        if seed_samples:
+            dataset = self.seeded(dataset)
         return DataLoader(dataset, sampler=self, **kwargs)
 
     # -- epochs ------------------------------------------------------------------------
 
-    def epoch_loader(self, dataset: Any, *, drop_last: bool = False, **kwargs: Any) -> EpochLoader:
+    def epoch_loader(
+        self, dataset: Any, *, drop_last: bool = False, seed_samples: bool = True, **kwargs: Any
+    ) -> EpochLoader:
         """A loader giving one epoch per iteration, from the cursor (see the module docstring).
 
         ``len(loader)`` is the number of global batches of an epoch; ``for batch in
         loader`` yields this rank's part of each batch left in the cursor's epoch, so
         the first iteration after a resume finishes the epoch the checkpoint was in.
         ``drop_last``: drop each epoch's last global batch when it has fewer than
-        ``global_batch`` samples (default False: keep it, shorter). Other keyword
+        ``global_batch`` samples (default False: keep it, shorter). ``seed_samples``
+        (default True): random numbers drawn in ``dataset.__getitem__`` depend on each
+        sample's position only (:meth:`seeded`). Other keyword
         arguments go to the ``DataLoader`` (``collate_fn``, ``num_workers``, ...); the
         batches are the sampler's, so ``batch_size``, ``shuffle``, ``sampler`` and
         ``batch_sampler`` are refused. Do not call :meth:`advance`: the loader moves
@@ -354,7 +394,7 @@ class ElasticSampler(Sampler[int]):
                 f"epoch_loader(): {self.order.n_samples} samples cannot give each of "
                 f"{self.world_size} ranks one"
             )
-        return EpochLoader(self, dataset, kwargs)
+        return EpochLoader(self, self.seeded(dataset) if seed_samples else dataset, kwargs)
 
     def batches_per_epoch(self) -> int:
         """Global batches of a whole epoch with the epoch loader (its ``len()``)."""
@@ -443,6 +483,7 @@ class ElasticSampler(Sampler[int]):
         return samples_digest(self.order.sample_ids(cursor, count))
 
     def state_dict(self) -> dict[str, Any]:
+        self._say_unseeded()
         return {
             "version": SAMPLER_STATE_VERSION,
             "cursor": self.cursor,
@@ -454,6 +495,23 @@ class ElasticSampler(Sampler[int]):
             "mode": self.mode or "",
             "drop_last": self.drop_last,
         }
+
+    def _say_unseeded(self) -> None:
+        """At the first save after a DataLoader with workers iterated this sampler over a
+        dataset that is not seeded per sample: what a resume cannot replay."""
+        if not self._unseeded_workers or self._said_unseeded:
+            return
+        self._said_unseeded = True
+        if self.rank == 0:
+            logger.warning(
+                "rank 0: a DataLoader with %d worker(s) takes its indices from this "
+                "ElasticSampler, but random numbers its Dataset draws (augmentation: "
+                "torch.rand, random, numpy) come from per-worker streams that a resume "
+                "cannot replay: resumed batches will differ from an uninterrupted run's. "
+                "Seed them per sample: DataLoader(sampler.seeded(dataset), sampler=sampler, "
+                "...)",
+                self._unseeded_workers,
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the cursor; the dataset length and seed must match, and the global
@@ -528,7 +586,7 @@ class _EpochBatches:
         sampler = self.sampler
         for start, size in self.plan:
             lo, hi = rank_slice(size, sampler.world_size, sampler.rank)
-            yield [int(i) for i in sampler.order.sample_ids(start + lo, hi - lo)]
+            yield sampler._indices(start + lo, hi - lo)
 
     def __len__(self) -> int:
         return len(self.plan)
