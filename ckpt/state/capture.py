@@ -23,6 +23,7 @@ from ckpt.interop.hf import HF_RECORD_KEY, pretrained_record
 from ckpt.state import per_rank
 from ckpt.state.app_state import AppState
 from ckpt.state.rng import RNG_STATE_KEY, capture_rng, rng_device, rng_key
+from ckpt.state.unregistered import UnregisteredModels
 from runcore import positions as _positions
 
 logger = logging.getLogger("ckpt.manager")  # the manager's messages: one logger to filter
@@ -61,6 +62,7 @@ class StateCapture:
         """Per sampler key: (step, cursor) at the last save or resume (advance() guard)."""
         self._hf: dict[str, Any] | None = None
         self._captured_once = False
+        self._unregistered = UnregisteredModels()
         for sampler in self.data_positions().values():
             _positions.claim(sampler)
 
@@ -75,6 +77,8 @@ class StateCapture:
         if not self._captured_once:
             self._captured_once = True
             self._say_unsaved_positions(step)
+        if self.rank == 0:
+            self._say_unregistered_models(step)
         if self._hf is None:
             self._hf = {}
             for key, module in self.app.modules.items():
@@ -103,6 +107,18 @@ class StateCapture:
             },
         }
         return state, meta, fresh
+
+    def _say_unregistered_models(self, step: int) -> None:
+        """WARNING (rank 0) for an EMA-like model that changed between the first two saves
+        but is in no manager's state (:mod:`ckpt.state.unregistered`)."""
+        for name in self._unregistered.observe(self.app.modules.values()):
+            logger.warning(
+                "rank 0 step %d: a%s %s (an EMA copy of a model?) changed since the last save "
+                "but is not in the checkpoint state: after a resume it starts again from the "
+                "script's fresh copy (its average and n_averaged lost). Put it in the state: "
+                "CheckpointManager(root, {..., \"ema\": ema})",
+                step, "n" if name[:1] in "AEIOU" else "", name,
+            )  # fmt: skip
 
     def _say_unsaved_positions(self, step: int) -> None:
         """WARNING (rank 0) for each data position that moved but is in no manager's state."""
