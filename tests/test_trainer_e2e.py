@@ -418,3 +418,20 @@ def test_a_new_launch_that_resumes_at_its_max_steps_says_so_and_exits_1(
     assert "run.max_steps=4" in caplog.text
     assert trainer_main([*args, "--set", "run.allow_resume_past_end=true"]) == 0
     assert trainer_main([*where, "--max-steps", "6"]) == 0  # train further
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_of_a_checkpoint_written_with_other_settings_says_which(
+    tmp_path, caplog, restore_torch_flags
+):
+    where = [*TINY, "--ckpt-every", "2", "--ckpt-dir", str(tmp_path / "ckpt"),
+             "--run-dir", str(tmp_path / "r")]  # fmt: skip
+    assert trainer_main([*where, "--max-steps", "2"]) == 0
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        assert trainer_main([*where, "--max-steps", "4", "--set", "optim.lr=1e-3"]) == 0
+    said = [r.getMessage() for r in caplog.records if "other optim settings" in r.getMessage()]
+    assert said and "data" not in said[0].split("settings")[0], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        assert trainer_main([*where, "--max-steps", "6", "--set", "optim.lr=1e-3"]) == 0
+    assert not any("other" in r.getMessage() and "settings" in r.getMessage() for r in caplog.records)

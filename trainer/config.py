@@ -283,6 +283,16 @@ class TrainConfig:
         """Plain-JSON form of the configuration."""
         return dataclasses.asdict(self)
 
+    def section_digests(self) -> dict[str, str]:
+        """Short digests of the sections that make a run what it is (model, data, optim),
+        stored with checkpoints: a resume says which differ (another job's checkpoint?)."""
+        return {
+            name: hashlib.sha256(
+                json.dumps(dataclasses.asdict(getattr(self, name)), sort_keys=True).encode()
+            ).hexdigest()[:16]
+            for name in ("model", "data", "optim")
+        }
+
     def model_digest(self) -> str:
         """Short digest of the model section, stored with checkpoints for diagnosis."""
         blob = json.dumps(dataclasses.asdict(self.model), sort_keys=True).encode()

@@ -209,6 +209,7 @@ def build_checkpoints(
             "data_seed": cfg.data.seed,
             "global_batch": cfg.data.global_batch,
             "model_digest": cfg.model_digest(),
+            "config_digests": cfg.section_digests(),
             "restart_count": attempt,
         }
 
@@ -256,8 +257,26 @@ def resume(
     step = manager.resume(must=cfg.checkpoint.resume == "must")
     if step is not None and ctx.is_main:  # the manager said the resume itself at WARNING
         logger.info("rank 0: data cursor %d after step %d", run.sampler.cursor, step)
+    if step is not None and ctx.is_main and manager.last_resume is not None:
+        _say_other_config(manager.last_resume.metadata, step, cfg)
     if step is not None and step >= cfg.run.max_steps:
         _resumed_past_end(manager, step, cfg, ctx)
+
+
+def _say_other_config(metadata: dict[str, Any], step: int, cfg: TrainConfig) -> None:
+    """WARNING when the resumed checkpoint was written with other model, data or optim
+    settings: another job's checkpoint under the same root, or a changed config."""
+    saved = metadata.get("config_digests")
+    if not isinstance(saved, dict):
+        return
+    differ = [name for name, digest in cfg.section_digests().items() if saved.get(name) != digest]
+    if differ:
+        logger.warning(
+            "rank 0: resumed step %d, written with other %s settings than this run's: "
+            "another job's checkpoint under the same root, or a changed configuration; "
+            "if not meant, stop and check --ckpt-dir",
+            step, " and ".join(differ),
+        )  # fmt: skip
 
 
 def _resumed_past_end(
