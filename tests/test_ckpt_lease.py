@@ -463,3 +463,57 @@ def test_a_job_without_a_name_refuses_a_lease_that_keeps_being_renewed(tmp_root,
     alive.renew()  # the holder is alive: another job that happens to have no name either
     with pytest.raises(ckpt.RootLeaseError, match="in use by another job"):
         other.try_acquire()
+
+
+def _forged(tmp_root: str, name: str = "OWNER.0000000003", **fields) -> None:
+    record = {"format": 1, "job": "run:A", "named_by": "x", "run_id": "A", "restart_count": 0,
+              "host": "h", "pid": 1, "token": "t", "acquired_at": time.time(),
+              "renewed_at": time.time(), "ttl_s": 60.0, **fields}  # fmt: skip
+    os.makedirs(tmp_root, exist_ok=True)
+    with open(os.path.join(tmp_root, name), "w") as fh:
+        fh.write(json.dumps(record).replace('"__inf__"', "Infinity"))
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"renewed_at": "__inf__"}, "unreadable"),
+        ({"renewed_at": 1e300}, "unreadable"),
+        ({"acquired_at": -5.0}, "unreadable"),
+        ({"ttl_s": 1e12}, "unreadable"),
+        ({"renewed_at": time.time() + 1e6}, "in the future"),
+    ],
+)  # fmt: skip
+def test_a_lease_record_with_impossible_times_is_taken_over_and_ls_lists_the_root(
+    tmp_root, held, caplog, capsys, fields, said
+):
+    _forged(tmp_root, **fields)
+    assert cli.main(["ls", tmp_root]) in (0, 1)  # no OverflowError
+    capsys.readouterr()
+    taker = held(tmp_root, job("run:B", run_id="B"))
+    with caplog.at_level(logging.WARNING, logger="ckpt.lifecycle.lease"):
+        taker.acquire()
+    assert said in caplog.text and "taken over" in caplog.text
+    taker.check()
+
+
+def test_a_fifo_named_like_a_lease_record_is_refused_in_seconds_never_a_hang(tmp_root, held):
+    os.makedirs(tmp_root)
+    os.mkfifo(os.path.join(tmp_root, "OWNER.0000000007"))
+    started = time.monotonic()
+    assert lease.read_lease(Storage(tmp_root)) is None
+    with pytest.raises(ckpt.RootLeaseError, match="not a regular file"):
+        held(tmp_root, job("run:B")).acquire()
+    assert time.monotonic() - started < 10
+    assert os.path.exists(os.path.join(tmp_root, "OWNER.0000000007"))  # not ours: left alone
+
+
+def test_a_generation_past_ten_digits_is_still_seen_and_every_save_commits(tmp_root, held):
+    _forged(tmp_root, name="OWNER.9999999999", renewed_at=time.time() - 3600.0)  # expired
+    taker = held(tmp_root, job("run:B", run_id="B"))
+    taker.acquire()
+    assert [n for n in os.listdir(tmp_root) if is_lease_name(n)] == ["OWNER.10000000000"]
+    taker.check()
+    taker.renew()
+    assert [n for n in os.listdir(tmp_root) if is_lease_name(n)] == ["OWNER.10000000001"]
+    taker.check()

@@ -29,7 +29,9 @@ LEASE_NAME = "OWNER"
 records ``OWNER.<generation>`` (10 digits) on a local filesystem, published from
 ``.OWNER.tmp-*`` files. Never a checkpoint, never deleted by retention or ``gc``."""
 LEASE_TMP_PREFIX = ".OWNER.tmp-"
-LEASE_RECORD_RE = re.compile(r"^OWNER\.(\d{10})$")
+LEASE_RECORD_RE = re.compile(r"^OWNER\.(\d{10,40})$")
+"""A local lease record: ``OWNER.<generation>``, 10 digits or more (a generation past
+9,999,999,999 has more)."""
 
 _CHECKPOINT_DIR_RE = re.compile(r"^checkpoint_(\d{7,})$")
 _SHARD_RE = re.compile(r"^rank_\d{5,}\.distcp$")

@@ -50,6 +50,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -167,6 +168,13 @@ def holder_is_gone(record_process: str, pid: int) -> bool:
     return _start_ticks(pid) != start
 
 
+MAX_RECORD_TIME = 1e11
+"""Record times are Unix times before this (the year 5138): a larger, infinite or NaN one
+makes the record unreadable, taken over at WARNING."""
+MAX_CLOCK_SKEW_S = 300.0
+"""A record renewed further in the future than this is not believed: taken over at WARNING."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LeaseRecord:
     """The owner lease as stored (JSON)."""
@@ -214,12 +222,22 @@ class LeaseRecord:
             )
         except KeyError as exc:
             raise ValueError(f"lease record without {exc}") from None
-        if not (record.ttl_s > 0 and record.renewed_at == record.renewed_at):  # NaN
-            raise ValueError("lease record with a bad time")
+        for name in ("acquired_at", "renewed_at"):
+            value = getattr(record, name)
+            if not (math.isfinite(value) and 0 <= value < MAX_RECORD_TIME):
+                raise ValueError(f"lease record with a bad time: {name}={value!r}")
+        if not (math.isfinite(record.ttl_s) and 0 < record.ttl_s <= env.MAX_LEASE_TTL_S):
+            raise ValueError(
+                f"lease record with a bad ttl_s={record.ttl_s!r} (at most {env.MAX_LEASE_TTL_S:g})"
+            )
         return record
 
     def expired(self, now: float) -> bool:
-        return now > self.renewed_at + self.ttl_s
+        return now > self.renewed_at + self.ttl_s or self.from_the_future(now)
+
+    def from_the_future(self, now: float) -> bool:
+        """Renewed later than any clock skew explains (a forged or broken record)."""
+        return self.renewed_at > now + MAX_CLOCK_SKEW_S
 
     def describe(self, now: float) -> str:
         """``run 'X' (job ...) on host H (pid P), last renewed 3.1 s ago (UTC time)``."""
@@ -387,6 +405,13 @@ class RootLease:
             logger.info(
                 "ckpt: %s: owner lease taken over from %s (an earlier attempt of this job)",
                 self.url, record.describe(now),
+            )  # fmt: skip
+            return
+        if record.from_the_future(now):
+            logger.warning(
+                "ckpt: %s: the owner lease record says it was renewed %.0f s in the future "
+                "(a forged or broken record: not believed): taken over by this job (%s)",
+                self.url, record.renewed_at - now, self.job.named_by,
             )  # fmt: skip
             return
         if not record.expired(now):  # _judge let it through: its holder process is gone

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
 import uuid
 from typing import Any, Protocol
 
-from ckpt.errors import ObjectNotFoundError, StorageError
+from ckpt.errors import ObjectNotFoundError, RootLeaseError, StorageError
 from ckpt.format.layout import LEASE_NAME, LEASE_RECORD_RE, LEASE_TMP_PREFIX
 from ckpt.format.manifest import MAX_MARKER_BYTES
 from ckpt.storage import Storage
@@ -61,15 +62,43 @@ class LeaseStore(Protocol):
         ...
 
 
+def _not_a_record(path: str, what: str) -> str:
+    return (
+        f"{path} is named like the root's owner lease record but is {what}: this library "
+        "did not write it and will not read or remove it; remove it by hand, then relaunch"
+    )
+
+
+def _read_regular(path: str) -> bytes:
+    """A local record's bytes (at most one past :data:`MAX_MARKER_BYTES`): it must be a
+    regular file, opened without following a link or blocking (a FIFO named like a
+    record would hang the reader), else :class:`~ckpt.errors.RootLeaseError` saying so."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RootLeaseError(_not_a_record(path, "a symbolic link")) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RootLeaseError(_not_a_record(path, "not a regular file (a FIFO, device or directory)"))
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read(MAX_MARKER_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
 class LocalLeaseStore:
     """Records ``OWNER.<generation>`` in a local (or mounted) directory, made by ``link(2)``."""
 
     def __init__(self, storage: Storage) -> None:
         self.dir = storage.path()
 
-    def _generations(self) -> list[int]:
+    def _generations(self) -> list[tuple[int, str]]:
+        """``(generation, name)`` of every record, newest first (names as they are: one
+        made by hand may have more leading zeros than ours)."""
         return sorted(
-            (int(m.group(1)) for n in os.listdir(self.dir) if (m := LEASE_RECORD_RE.match(n))),
+            ((int(m.group(1)), n) for n in os.listdir(self.dir) if (m := LEASE_RECORD_RE.match(n))),
             reverse=True,
         )
 
@@ -78,9 +107,9 @@ class LocalLeaseStore:
             generations = self._generations()
             if not generations:
                 return None, 0
+            generation, name = generations[0]
             try:
-                with open(os.path.join(self.dir, f"OWNER.{generations[0]:010d}"), "rb") as fh:
-                    return fh.read(MAX_MARKER_BYTES + 1), generations[0]
+                return _read_regular(os.path.join(self.dir, name)), generation
             except FileNotFoundError:
                 continue
         raise StorageError(f"{self.dir}: the lease record kept changing while read")
@@ -108,20 +137,23 @@ class LocalLeaseStore:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        for old in self._generations():
+        for old, name in self._generations():
             if old < new:
                 try:
-                    os.unlink(os.path.join(self.dir, f"OWNER.{old:010d}"))
+                    os.unlink(os.path.join(self.dir, name))
                 except FileNotFoundError:
                     pass
         fsync_dir(self.dir)
         return new
 
     def delete(self, version: Any) -> None:
-        try:  # a newer generation (someone else's) has another name: never removed here
-            os.unlink(os.path.join(self.dir, f"OWNER.{int(version):010d}"))
-        except FileNotFoundError:
-            pass
+        # a newer generation (someone else's) has another number: never removed here
+        for generation, name in self._generations():
+            if generation == int(version):
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except FileNotFoundError:
+                    pass
         fsync_dir(self.dir)
 
     @staticmethod
