@@ -155,3 +155,26 @@ def test_the_library_options_are_config_keys(tmp_path):
     assert (options.lease_ttl_s, options.param_groups) == (0.0, "constructed")
     assert options.memory_dir == "/dev/shm/x"
     assert load_config(None, ["checkpoint.allow_non_finite=true"]).checkpoint.allow_non_finite
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("optim.lr=1e308", "optim.lr='1e308': must be at most"),
+        ("run.collective_timeout_s=1e300", "run.collective_timeout_s='1e300': must be at most"),
+        ("run.heartbeat_s=1e9", "run.heartbeat_s='1e9': must be at most"),
+        ("run.seed=99999999999999999999999", "run.seed='99999999999999999999999': must be at most"),
+        ("data.seed=-99999999999999999999999", "data.seed="),
+    ],
+)
+def test_a_number_that_would_overflow_where_it_is_used_is_refused_naming_the_key(override, said):
+    with pytest.raises(ValueError, match="must be at most") as err:
+        config_from_args(build_parser().parse_args(["--set", override]))
+    assert said in str(err.value)
+
+
+def test_the_largest_sane_settings_still_parse():
+    cfg = config_from_args(build_parser().parse_args(
+        ["--set", "run.collective_timeout_s=604800", "--set", "optim.lr=1e30"]
+    ))  # fmt: skip
+    assert cfg.run.collective_timeout_s == 604800.0 and cfg.optim.lr == 1e30

@@ -308,11 +308,24 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+MAX_SECONDS = 7 * 86400.0
+"""The longest time setting (``*_s``): a week. torch's collectives take their timeout in
+milliseconds as a C int (2^31 ms is 24.8 days); ``1e300`` overflowed the timedelta."""
+MAX_FLOAT = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+"""The largest other number: the parameters' dtype (an lr of 1e308 overflowed Adam)."""
+MAX_INT = 2**63 - 1
+"""The largest integer setting (seeds and counts go to torch as int64)."""
+
+
 def _finite(key: str, raw: object, value: float) -> float:
-    """``value`` if finite: no setting of this trainer means anything with inf or nan
-    (an lr of inf trains on NaN; a timeout of inf overflows the collectives' timedelta)."""
+    """``value`` if finite and within what its use can hold: no setting of this trainer
+    means anything with inf or nan (an lr of inf trains on NaN), and a time past
+    :data:`MAX_SECONDS` or a number past :data:`MAX_FLOAT` overflows where it is used."""
     if not math.isfinite(value):
         raise ValueError(f"config {key}={raw!r}: must be a finite number")
+    bound = MAX_SECONDS if key.endswith("_s") else MAX_FLOAT
+    if abs(value) > bound:
+        raise ValueError(f"config {key}={raw!r}: must be at most {bound:g} in size")
     return value
 
 
@@ -343,25 +356,30 @@ def _coerce(key: str, raw: object, annotation: str) -> object:
         if isinstance(raw, bool) or not isinstance(raw, int | str):
             raise ValueError(f"config {key}={raw!r}: must be an integer")
         try:
-            return int(raw)
+            value = int(raw)
         except ValueError:
             raise ValueError(f"config {key}={raw!r}: must be an integer") from None
+        if abs(value) > MAX_INT:
+            raise ValueError(f"config {key}={raw!r}: must be at most {MAX_INT} in size")
+        return value
     if annotation == "float":
         if isinstance(raw, bool) or not isinstance(raw, int | float | str):
             raise ValueError(f"config {key}={raw!r}: must be a number")
         try:
-            return _finite(key, raw, float(raw))
+            value = float(raw)
         except (ValueError, OverflowError):
             raise ValueError(f"config {key}={raw!r}: must be a finite number") from None
+        return _finite(key, raw, value)
     if annotation == "float | str":  # a number of seconds or the word "auto"
         if isinstance(raw, bool) or not isinstance(raw, int | float | str):
             raise ValueError(f"config {key}={raw!r}: must be a number or 'auto'")
         if isinstance(raw, str) and raw.strip().lower() == "auto":
             return "auto"
         try:
-            return _finite(key, raw, float(raw))
+            value = float(raw)
         except (ValueError, OverflowError):
             raise ValueError(f"config {key}={raw!r}: must be a finite number or 'auto'") from None
+        return _finite(key, raw, value)
     if annotation == "int | str":  # a count or the word "auto"
         if isinstance(raw, str) and raw.strip().lower() == "auto":
             return "auto"
