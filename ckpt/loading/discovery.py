@@ -44,6 +44,7 @@ from ckpt.format.layout import (
     checkpoint_dirname,
     parse_checkpoint_dirname,
 )
+from ckpt.format.manager_record import record_problems
 from ckpt.format.manifest import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, CompleteMarker, Manifest
 from ckpt.lifecycle.quarantine import (
     QuarantinedCheckpoint,
@@ -164,6 +165,16 @@ def inspect_dir(storage: Storage, dirname: str) -> CheckpointInfo:
         manifest = Manifest.from_bytes(raw_manifest, url=url)
     except CorruptCheckpointError as exc:
         return damaged(f"manifest.json does not parse ({exc})", marker)
+    malformed = record_problems(manifest.metadata)
+    if manifest.world_size < 1:
+        malformed.insert(0, f"world_size is {manifest.world_size}")
+    if malformed:
+        return found(
+            DAMAGED,
+            f"malformed: its manifest's {'; '.join(malformed)} (written so, or forged): never "
+            "used",
+            marker=marker,
+        )
     if manifest.step != step or marker.step != step:
         if manifest.step == marker.step:
             return found(

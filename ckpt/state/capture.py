@@ -19,6 +19,7 @@ from typing import Any
 
 from ckpt import dist as _dist
 from ckpt.errors import DataPositionError
+from ckpt.format.manager_record import RECORD_KEY
 from ckpt.interop.hf import HF_RECORD_KEY, pretrained_record
 from ckpt.state import per_rank
 from ckpt.state.app_state import AppState
@@ -28,7 +29,7 @@ from runcore import positions as _positions
 
 logger = logging.getLogger("ckpt.manager")  # the manager's messages: one logger to filter
 
-MANAGER_META_KEY = "ckpt_manager"
+MANAGER_META_KEY = RECORD_KEY
 """Manifest metadata entry where the manager records what it saved (keys, shapes, RNG)."""
 
 Captured = tuple[dict[str, Any], dict[str, Any], list[str]]
