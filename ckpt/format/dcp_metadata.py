@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import io
+import itertools
 import pathlib
 import pickle
 from typing import Any
@@ -142,6 +143,7 @@ def check_metadata(metadata: Metadata, manifest: Manifest, *, url: str = "") -> 
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         raise _bad(url, "storage_data is not a dict")
+    extents: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
             raise _bad(url, f"a storage key is a {type(index).__name__}, not a MetadataIndex")
@@ -170,6 +172,28 @@ def check_metadata(metadata: Metadata, manifest: Manifest, *, url: str = "") -> 
             )
         if info.transform_descriptors:
             raise _bad(url, f"storage item of {index.fqn!r} asks for transforms, never written")
+        extents.setdefault(path, []).append((offset, length, index.fqn))
+        md = sdm[index.fqn]
+        if isinstance(md, TensorStorageMetadata):
+            declared = _declared_bytes(md, index)
+            if declared is None:
+                raise _bad(url, f"storage item of {index.fqn!r} at {index.offset} is no chunk of it")
+            if declared > length:
+                raise _bad(
+                    url,
+                    f"tensor item {index.fqn!r} at {list(index.offset or ())} declares "
+                    f"{declared} bytes of data but is stored in {length}: a tensor is stored "
+                    "dense (a strided or repeated one would be expanded on load)",
+                )
+    for path, items in extents.items():
+        items.sort()
+        for (start, length, fqn), (next_start, _, next_fqn) in itertools.pairwise(items):
+            if start + length > next_start:
+                raise _bad(
+                    url,
+                    f"storage items of {fqn!r} and {next_fqn!r} share bytes of {path} (at "
+                    f"{next_start}): each stored byte backs one item",
+                )
     planner = metadata.planner_data
     if planner is not None and not (
         isinstance(planner, dict)
@@ -202,6 +226,17 @@ def _check_tensor(fqn: str, md: TensorStorageMetadata, url: str) -> None:
             or any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, md.size))
         ):
             raise _bad(url, f"tensor {fqn!r} has a chunk outside its shape {list(md.size)}")
+
+
+def _declared_bytes(md: TensorStorageMetadata, index: MetadataIndex) -> int | None:
+    """Bytes of dense data the chunk at ``index.offset`` declares (None: no such chunk)."""
+    for chunk in md.chunks:
+        if index.offset is None or tuple(chunk.offsets) == tuple(index.offset):
+            numel = 1
+            for n in chunk.sizes:
+                numel *= n
+            return numel * md.properties.dtype.itemsize
+    return None
 
 
 def _count(value: Any) -> bool:

@@ -92,3 +92,35 @@ def test_record_problems(metadata, expected):
     assert len(problems) == len(expected)
     for problem, word in zip(problems, expected):
         assert word in problem
+
+
+# -- declared sizes are tied to stored bytes ------------------------------------------------
+
+
+def test_a_stride_0_item_that_declares_more_bytes_than_it_stores_is_refused_everywhere(
+    tmp_path, monkeypatch
+):
+    from ckpt.saving import writer
+
+    root = str(tmp_path / "ckpt")
+    monkeypatch.setattr(writer, "own_storage", lambda tensor: tensor)  # keep the stride 0
+    ckpt.save({"w": torch.ones(1).expand(2048, 2048)}, root, 1)  # 16 MiB declared
+    monkeypatch.undo()
+    shard = next(
+        os.path.join(dirpath, f)
+        for dirpath, _, files in os.walk(root)
+        for f in files
+        if f.endswith(".distcp")
+    )
+    assert os.path.getsize(shard) < 64 << 10  # the 7 KB checkpoint of the report
+
+    assert cli.main(["verify", root]) == 1
+    assert cli.main(["verify", "--deep", root]) == 1
+    out = tmp_path / "export"
+    with pytest.raises(ckpt.CheckpointError, match=r"declares \d+ bytes of data"):
+        ckpt.export(root, str(out), model_key="w")
+    assert not out.exists() and not any(p.name.startswith("export") for p in tmp_path.iterdir())
+    target = {"w": torch.zeros(2048, 2048)}
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.load(target, root)
+    assert float(target["w"].sum()) == 0.0  # nothing was written into it
