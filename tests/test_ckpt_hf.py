@@ -200,3 +200,19 @@ def test_a_file_that_is_not_safetensors_is_refused_before_reading_it(tmp_path):
         ckpt.load_pretrained(Tied(), str(bad))
     with pytest.raises(ckpt.CheckpointNotFoundError, match="save_pretrained"):
         ckpt.load_pretrained(Tied(), str(tmp_path))
+
+
+def test_code_pointing_keys_of_a_recorded_config_are_left_out_of_an_export(caplog):
+    import logging
+
+    from ckpt.interop.hf import pretrained_files
+
+    record = {"hf": {"model": {"config": {
+        "model_type": "llama", "auto_map": {"AutoModel": "evil.Model"},
+        "custom_pipelines": {"x": {"impl": "evil.P"}},
+    }}}}  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        files = pretrained_files(record, "model")
+    config = json.loads(files["config.json"])
+    assert config == {"model_type": "llama"}
+    assert "auto_map" in caplog.text and "trust_remote_code" in caplog.text

@@ -65,6 +65,26 @@ def pretrained_record(module: torch.nn.Module) -> dict[str, Any] | None:
     return record
 
 
+CODE_POINTING_KEYS = ("auto_map", "custom_pipelines")
+"""Config keys that name Python code for ``trust_remote_code`` to import and run."""
+
+
+def _without_code_pointers(body: dict[str, Any], filename: str) -> dict[str, Any]:
+    """``body`` without :data:`CODE_POINTING_KEYS` (said at WARNING): a recorded config is
+    read from a checkpoint, untrusted, and ``from_pretrained(..., trust_remote_code=True)``
+    would run the code they name."""
+    dropped = [k for k in CODE_POINTING_KEYS if k in body]
+    if not dropped:
+        return body
+    logger.warning(
+        "ckpt export: %s left out of %s: %s name%s code that trust_remote_code would run, and "
+        "a checkpoint's record is not trusted; add %s back by hand if the code is yours",
+        ", ".join(dropped), filename, " and ".join(dropped), "s" if len(dropped) == 1 else "",
+        "it" if len(dropped) == 1 else "them",
+    )  # fmt: skip
+    return {k: v for k, v in body.items() if k not in dropped}
+
+
 def pretrained_files(
     manager_record: dict[str, Any], model_key: str, dtype: torch.dtype | None = None
 ) -> dict[str, bytes]:
@@ -83,6 +103,7 @@ def pretrained_files(
         body = entry.get(key)
         if not isinstance(body, dict):
             continue
+        body = _without_code_pointers(body, filename)
         if key == "config" and dtype is not None:
             body = dict(body)
             version = str(body.get("transformers_version", "5"))
