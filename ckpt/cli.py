@@ -306,14 +306,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             )
         )
         return EXIT_OK
-    print(f"checkpoint   {info.url}")
+    print(f"checkpoint   {shown(info.url)}")
     print(f"step         {m.step}")
-    print(f"created_at   {m.created_at}")
-    print(
-        f"world_size   {m.world_size}  (hosts: {', '.join(sorted({str(p.get('host')) for p in m.membership}))})"
-    )
-    print(f"attempt      run {m.attempt.run_id!r}, restart {m.attempt.restart_count}")
-    print(f"torch        {m.torch_version}")
+    print(f"created_at   {shown(m.created_at)}")
+    hosts = sorted({shown(p.get("host")) if isinstance(p, dict) else "?" for p in m.membership})
+    print(f"world_size   {m.world_size}  (hosts: {', '.join(hosts)})")
+    print(f"attempt      run {shown(repr(m.attempt.run_id))}, restart {m.attempt.restart_count}")
+    print(f"torch        {shown(m.torch_version)}")
     print(f"bytes        {human_bytes(m.total_bytes)} in {len(m.files)} files")
     print(
         f"tensors      {sum(1 for _, s, _ in tensors if s is not None)} tensors, "
@@ -325,13 +324,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  ... {len(tensors) - args.limit} more (use --limit)")
     record = m.metadata.get("ckpt_manager", {})
     record = record if isinstance(record, dict) else {}
-    for key, pos in sorted((record.get("data_position") or {}).items()):
+    positions = record.get("data_position")
+    for key, pos in sorted((positions if isinstance(positions, dict) else {}).items()):
+        if not isinstance(pos, dict):
+            print(f"data         {shown(key)}: (malformed: {shown(repr(pos))[:80]})")
+            continue
         print(
-            f"data         {key}: cursor {pos.get('cursor')}, consumed digest "
-            f"{pos.get('consumed_digest') or '-'}, next batch {pos.get('next_batch_digest')}"
+            f"data         {shown(key)}: cursor {shown(pos.get('cursor'))}, consumed digest "
+            f"{shown(pos.get('consumed_digest') or '-')}, next batch "
+            f"{shown(pos.get('next_batch_digest'))}"
         )
-    if record.get("per_rank"):
-        print(f"per rank     {', '.join(record['per_rank'])}")
+    per_rank = record.get("per_rank")
+    if per_rank:
+        listed = per_rank if isinstance(per_rank, list) else [f"(malformed: {per_rank!r})"]
+        print(f"per rank     {shown(', '.join(str(p) for p in listed))}")
     if m.metadata:
         print("metadata     " + shown(json.dumps(m.metadata, sort_keys=True)[:500]))
     return EXIT_OK
@@ -353,7 +359,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         else:
             print(f"{verb:<13} step {step:>10}  ({plan.reasons.get(step, '')})")
     for step, kept_at in plan.set_aside.items():
-        print(f"{'quarantined':<13} step {step:>10}  (renamed by hand; kept at {kept_at})")
+        print(f"{'quarantined':<13} step {step:>10}  (renamed by hand; kept at {shown(kept_at)})")
     deleted = len(plan.delete) + len(plan.delete_partial) - len(plan.refused)
     print(
         f"{len(plan.keep)} kept, {deleted} {verb}"
@@ -382,7 +388,7 @@ def _gc_quarantined(catalog: Catalog, args: argparse.Namespace, verb: str) -> in
     for dirname, step, reason in aside:
         why = _not_quarantined_by_us(storage, dirname)
         if why:
-            print(f"{'left alone':<13} step {step:>10}  ({shown(dirname)}: {why})")
+            print(f"{'left alone':<13} step {step:>10}  ({shown(dirname)}: {shown(why)})")
             continue
         if not args.dry_run:
             storage.remove_tree(dirname)

@@ -124,3 +124,33 @@ def test_a_stride_0_item_that_declares_more_bytes_than_it_stores_is_refused_ever
     with pytest.raises(ckpt.CheckpointError):
         ckpt.load(target, root)
     assert float(target["w"].sum()) == 0.0  # nothing was written into it
+
+
+# -- what is printed from a root is escaped, malformed fields print as such ----------------
+
+
+ESC = "\x1b]0;owned\x07\x1b[31m"
+
+
+def test_inspect_and_gc_escape_what_they_print_and_survive_malformed_fields(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    _two_checkpoints(root)
+
+    def forge(data: dict) -> None:
+        data.update(created_at=ESC, torch_version=ESC, membership=[1, {"host": ESC}, "x"])
+        data["attempt"]["run_id"] = ESC
+        data["metadata"]["ckpt_manager"]["data_position"] = {ESC: 5}
+
+    _forge(root, 2, forge)
+    assert cli.main(["inspect", root]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "\\x1b" in out and "(malformed: 5)" in out
+
+    aside = os.path.join(root, "checkpoint_0000001.quarantined-20260101T000000Z")
+    os.rename(os.path.join(root, "checkpoint_0000001"), aside)
+    with open(os.path.join(aside, f"notes{ESC}.txt"), "w") as fh:
+        fh.write("a user's file")
+    assert cli.main(["gc", root, "--quarantined"]) == 0
+    out = capsys.readouterr().out
+    assert "left alone" in out and "\x1b" not in out and "\x07" not in out
