@@ -28,6 +28,7 @@ COLLECTIVE_TIMEOUT_S = "CKPT_COLLECTIVE_TIMEOUT_S"
 SAVE_BLOCK_BYTES = "CKPT_SAVE_BLOCK_BYTES"
 SAVE_THREAD_NICE = "CKPT_SAVE_THREAD_NICE"
 MEMORY_DIR = "CKPT_MEMORY_DIR"
+XDG_RUNTIME_DIR = "XDG_RUNTIME_DIR"
 LEASE_TTL_S = "CKPT_LEASE_TTL_S"
 JOB_ID = "CKPT_JOB_ID"
 RUN_ID = "TORCHELASTIC_RUN_ID"
@@ -47,6 +48,7 @@ VARIABLES: dict[str, str] = {
     SAVE_BLOCK_BYTES: "tensor shards above this many bytes are saved as row blocks (8 MiB)",
     SAVE_THREAD_NICE: "nice value of the background save thread (default 19; 0 disables)",
     MEMORY_DIR: "where the memory tier keeps its snapshots (default /dev/shm/ckpt-memory-<uid>; must be this user's)",
+    XDG_RUNTIME_DIR: "the login session's private tmpfs: the memory tier's first fallback when another user took its default directory",
     LEASE_TTL_S: "seconds a root's owner lease lives without renewal (default 60; 0: no lease)",
     JOB_ID: "names the job for the root's owner lease: its relaunches take the lease over at once",
     RUN_ID: "set by torchrun: the run id recorded in each checkpoint's writer identity",

@@ -18,6 +18,7 @@ from warmstart.protocol import (
     ENV_RUN_ID,
     STDIO_FDS,
     Target,
+    peer_pid_uid,
     recv_frame,
     send_frame,
     socket_names,
@@ -126,21 +127,46 @@ def start_zygote(agent_pid: int, run_id: str, preload: list[str]) -> None:
             out.close()  # type: ignore[union-attr]
 
 
-def _connect(name: str) -> socket.socket | None:
+class NotOurZygote(ConnectionError):
+    """Whoever listens on the zygote's socket name runs as another user."""
+
+
+def _connect(name: str) -> tuple[socket.socket, int] | None:
+    """A connection to this node's zygote and its pid, or None when none listens. Raises
+    :class:`NotOurZygote`, before a byte is sent, when the listener is another user's: an
+    abstract socket name is open to every local user, and the request carries this
+    process's environment (credentials) and stdio."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(name)
+        pid, uid = peer_pid_uid(sock)
     except OSError:
         sock.close()
         return None
-    return sock
+    if uid != os.geteuid():
+        sock.close()
+        raise NotOurZygote(
+            f"the warm-start socket of this node is held by uid {uid} (pid {pid}), not by this "
+            f"user (uid {os.geteuid()}): not trusted, nothing sent"
+        )
+    return sock, pid
+
+
+def _parent_of(pid: int) -> int:
+    """The parent pid of ``pid`` (``/proc``), or -1 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read().decode("ascii", "replace")
+        return int(stat.rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 class StaleZygote(ConnectionError):
     """The zygote refused to fork: a watched module's source changed since it imported it."""
 
 
-def run_warm(sock: socket.socket, target: Target) -> int:
+def run_warm(sock: socket.socket, target: Target, zygote_pid: int = -1) -> int:
     """Have the zygote fork ``target``; forward signals; return the child's exit code
     (negative: killed by that signal). Raises ``ConnectionError`` when no child was forked
     (:class:`StaleZygote` when the zygote refused: its watched code changed)."""
@@ -174,6 +200,11 @@ def run_warm(sock: socket.socket, target: Target) -> int:
             os.kill(os.getpid(), signum)
         raise StaleZygote(f"{reply['stale']} changed since the warm interpreter imported it")
     child = int(reply["pid"])
+    if zygote_pid > 0 and _parent_of(child) != zygote_pid:
+        # Signals and the SIGKILL below go only to a process the zygote started.
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        raise ConnectionError(f"the zygote reported pid {child}, which is not its child")
     _say(f"warm start: worker pid {child}, forked in {1000 * (time.monotonic() - t0):.0f} ms")
     for signum in pending:
         os.kill(child, signum)
@@ -217,10 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     agent_pid = os.getppid()
     _lock, serve_name = socket_names(agent_pid, run_id)
-    sock = _connect(serve_name)
-    if sock is not None:
+    try:
+        found = _connect(serve_name)
+    except NotOurZygote as exc:
+        _say(f"{exc}; running cold")
+        run_target(target)
+        return 0
+    if found is not None:
+        sock, zygote_pid = found
         try:
-            code = run_warm(sock, target)
+            code = run_warm(sock, target, zygote_pid)
         except StaleZygote as exc:
             _say(f"{exc}: running cold, starting a fresh one for restarts")
             start_zygote(agent_pid, run_id, preload)

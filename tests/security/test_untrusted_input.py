@@ -280,3 +280,38 @@ def test_export_writes_the_verified_model_when_files_it_does_not_read_fail(tmp_p
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"rank_00000\.distcp"):
         ckpt.export(root, str(tmp_path / "out2"))
     assert not os.path.exists(tmp_path / "out2")
+
+
+def test_a_default_memory_directory_taken_by_another_user_gives_way_to_one_of_ours(
+    tmp_path, monkeypatch, caplog
+):
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    from ckpt.tiers.memory import layout
+
+    default = str(tmp_path / "shm" / f"ckpt-memory-{os.geteuid()}")
+    os.makedirs(default, mode=0o700)
+    os.chown(default, 4242, 4242)  # a squatter created it first
+    monkeypatch.setattr(layout, "DEFAULT_MEMORY_DIR", default)
+    monkeypatch.delenv("CKPT_MEMORY_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    root = str(tmp_path / "root")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    with (
+        caplog.at_level(logging.WARNING, logger="ckpt"),
+        ckpt.CheckpointManager(root, {"m": model}, memory_every=1, every=0) as manager,
+    ):
+        manager.maybe_save(1)
+        manager.maybe_save(2)
+    assert f"using {default}-1 instead" in caplog.text and "uid 4242" in caplog.text
+    assert os.listdir(f"{default}-1") and os.stat(default).st_uid == 4242  # theirs, untouched
+    saved = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    with ckpt.CheckpointManager(root, {"m": model}, memory_every=1) as again:  # a restart
+        assert again.resume() == 2
+    assert torch.equal(model.weight, saved)
+    # a directory the user named is never swapped for another
+    with pytest.raises(ckpt.CheckpointError, match="belongs to uid 4242"):
+        ckpt.CheckpointManager(root, {"m": model}, memory_every=1, memory_dir=default)

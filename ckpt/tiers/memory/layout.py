@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -35,6 +36,8 @@ from ckpt.errors import CheckpointError
 from ckpt.format.layout import MANIFEST_NAME
 from ckpt.format.manifest import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, CompleteMarker, Manifest
 from ckpt.tiers.memory import shard
+
+logger = logging.getLogger(__name__)
 
 ENV_MEMORY_DIR = env.MEMORY_DIR
 DEFAULT_MEMORY_DIR = f"/dev/shm/ckpt-memory-{os.geteuid()}"
@@ -50,6 +53,50 @@ class MemoryDirError(CheckpointError):
 def memory_base_dir(memory_dir: str | None = None) -> str:
     """Where memory snapshots live: ``memory_dir``, ``CKPT_MEMORY_DIR``, or /dev/shm."""
     return os.path.abspath(memory_dir or env.get_str(ENV_MEMORY_DIR, DEFAULT_MEMORY_DIR))
+
+
+FALLBACK_DIRS = 8
+"""Numbered alternatives of the default directory tried when another user holds it."""
+
+
+def fallback_dirs() -> list[str]:
+    """Where the memory tier goes when the default directory is another user's, in order:
+    ``$XDG_RUNTIME_DIR/ckpt-memory`` (the per-user tmpfs a login session has, which no
+    other user can create), then ``<default>-1`` .. ``<default>-8``. A restart walks the
+    same list, so it finds the snapshots the previous attempt left."""
+    out = []
+    runtime = env.get_str(env.XDG_RUNTIME_DIR, "")
+    if runtime and os.path.isabs(runtime):
+        out.append(os.path.join(runtime, "ckpt-memory"))
+    out += [f"{DEFAULT_MEMORY_DIR}-{i}" for i in range(1, FALLBACK_DIRS + 1)]
+    return out
+
+
+def choose_memory_dir(memory_dir: str | None = None) -> str:
+    """The memory tier's directory, checked (:func:`secure_base_dir`). One the user named
+    (``memory_dir``, ``CKPT_MEMORY_DIR``) is used or refused; the default, when another
+    user took it first (any local user can create ``/dev/shm/ckpt-memory-<uid>``), gives
+    way to the first of :func:`fallback_dirs` that is safely ours, said at WARNING, so a
+    squatter cannot stop this user's jobs."""
+    base = memory_base_dir(memory_dir)
+    if memory_dir or env.get_str(ENV_MEMORY_DIR, ""):
+        secure_base_dir(base)
+        return base
+    try:
+        secure_base_dir(base)
+        return base
+    except MemoryDirError as first:
+        for candidate in fallback_dirs():
+            try:
+                secure_base_dir(candidate)
+            except MemoryDirError:
+                continue
+            logger.warning(
+                "ckpt memory tier: %s; using %s instead (a restart finds it there too)",
+                first, candidate,
+            )  # fmt: skip
+            return candidate
+        raise
 
 
 def secure_base_dir(base: str) -> None:

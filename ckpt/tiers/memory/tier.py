@@ -53,7 +53,9 @@ from ckpt.tiers.memory import shard
 from ckpt.tiers.memory.layout import (
     COMMIT_NAME,
     SLOTS,
+    MemoryDirError,
     SlotInfo,
+    choose_memory_dir,
     compact_manifest,
     listdir,
     memory_base_dir,
@@ -89,7 +91,13 @@ class MemoryTier:
         memory_fs.install()  # ckptmem://, what a resume from this tier loads from
         self.allow_non_finite = allow_non_finite
         """Keys whose non-finite values do not stop a snapshot (:mod:`ckpt.saving.finite`)."""
-        self.base = memory_base_dir(memory_dir)
+        # Another user's default directory gives way to a fallback of ours; an error waits
+        # for the collective below, so that every rank raises it together.
+        base_error: MemoryDirError | None = None
+        try:
+            self.base = choose_memory_dir(memory_dir)
+        except MemoryDirError as exc:
+            self.base, base_error = memory_base_dir(memory_dir), exc
         # Two gloo groups of its own: snapshot collectives (caller's thread) and the
         # replication sends (background thread) never interleave with each other, with
         # training, or with the durable tier's background save.
@@ -134,6 +142,8 @@ class MemoryTier:
         # user's, a link, group-writable) or cannot be created (a full tmpfs): the error
         # names it and the fix (memory_dir or CKPT_MEMORY_DIR).
         def make_dirs() -> None:
+            if base_error is not None:
+                raise base_error
             secure_base_dir(self.base)
             os.makedirs(self.holder_dir, mode=0o700, exist_ok=True)
 
