@@ -49,6 +49,7 @@ from ckpt.loading import fresh_start
 from ckpt.loading.discovery import Catalog
 from ckpt.loading.resume import ResumeInfo, ResumeWalk
 from ckpt.options import CheckpointOptions
+from ckpt.saving.decisions import SaveDecisions
 from ckpt.saving.saves import DurableSaves, SaveFailures, expected_save_s
 from ckpt.state.app_state import AppState
 from ckpt.state.capture import StateCapture
@@ -242,6 +243,7 @@ class CheckpointManager:
         self._final_step: int | None = None
         self._said_after_final = False
         self._last_step: int | None = None
+        self._decisions = SaveDecisions(process_group)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -359,8 +361,9 @@ class CheckpointManager:
     # -- save ----------------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
-        """Whether :meth:`maybe_save` saves durably at ``step`` (every ``every`` steps)."""
-        return self._durable.policy.should_save(step, final=False)
+        """Whether the durable tier's policy says ``step`` is due (``every`` steps; a clock
+        policy is asked without deciding, on this rank's clock)."""
+        return self._decisions.peek(self._durable, step)
 
     def maybe_save(self, step: int, *, final: bool = False) -> str | None:
         """Offer ``step`` to every tier in order; each saves when its policy says it is due.
@@ -383,7 +386,7 @@ class CheckpointManager:
         request = SaveRequest(step, self._state, final=final)
         url = None
         for tier in self._tiers:
-            if tier.policy.should_save(step, final=final):
+            if self._decisions.due(tier, step, final=final):
                 saved = tier.save(request)
                 if tier is self._durable:
                     url = saved

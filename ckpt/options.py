@@ -21,7 +21,10 @@ from typing import Any, ClassVar
 from ckpt.env import MAX_LEASE_TTL_S
 from ckpt.lifecycle.retention import DEFAULT_RETENTION, RetentionPolicy
 from ckpt.saving import finite
+from ckpt.saving.policy import AnyOf, EveryNSteps, EverySeconds, SaveDecisionPolicy
 
+MAX_EVERY_S = 7 * 86400.0
+"""The longest ``every_s``: a week."""
 PARAM_GROUPS = ("checkpoint", "constructed")
 """``param_groups``: whose optimizer settings a resume keeps."""
 
@@ -36,6 +39,12 @@ class CheckpointOptions:
 
     every: int = 0
     """Durable save every N steps (``maybe_save``); 0: only at ``final``."""
+    every_s: float = 0.0
+    """Durable save also once this many seconds passed since the last one (0: not by the
+    clock); decided on rank 0 and broadcast, so every rank saves at the same step."""
+    policy: SaveDecisionPolicy | None = None
+    """The durable tier's save-decision policy, replacing ``every``/``every_s`` (a small
+    class with ``should_save(step, *, final, context)``: :mod:`ckpt.saving.policy`)."""
     async_save: bool = False
     """Periodic durable saves return once the state is staged in host memory; the copy
     overlaps the next steps (one save in flight). Final and emergency saves are synchronous."""
@@ -83,6 +92,21 @@ class CheckpointOptions:
         self._require(isinstance(self.async_save, bool), "async_save", self.async_save,
                       "must be true or false")  # fmt: skip
         self._require(
+            not isinstance(self.every_s, bool)
+            and isinstance(self.every_s, int | float)
+            and math.isfinite(self.every_s)
+            and 0 <= self.every_s <= MAX_EVERY_S,
+            "every_s",
+            self.every_s,
+            f"must be seconds in [0, {MAX_EVERY_S:.0f}] (0: not by the clock)",
+        )
+        self._require(
+            self.policy is None or callable(getattr(self.policy, "should_save", None)),
+            "policy",
+            self.policy,
+            "must have should_save(step, *, final, context) (ckpt.saving.policy), or be None",
+        )
+        self._require(
             self.memory_dir is None or (isinstance(self.memory_dir, str) and self.memory_dir),
             "memory_dir",
             self.memory_dir,
@@ -114,6 +138,16 @@ class CheckpointOptions:
     def _require(self, ok: bool, name: str, value: object, why: str) -> None:
         if not ok:
             raise ValueError(f"{self._key_prefix}{name}={value!r}: {why}")
+
+    def durable_policy(self) -> SaveDecisionPolicy:
+        """When the durable tier saves: ``policy``, else every ``every`` steps and/or
+        ``every_s`` seconds, and at ``final``."""
+        if self.policy is not None:
+            return self.policy
+        steps = EveryNSteps(self.every)
+        if not self.every_s:
+            return steps
+        return AnyOf((steps, EverySeconds(float(self.every_s))))
 
     def retention(self) -> RetentionPolicy | None:
         """``keep_last``/``keep_every`` as the policy applied after each commit (None: keep all)."""

@@ -435,3 +435,15 @@ def test_a_resume_of_a_checkpoint_written_with_other_settings_says_which(
     with caplog.at_level(logging.WARNING, logger="trainer"):
         assert trainer_main([*where, "--max-steps", "6", "--set", "optim.lr=1e-3"]) == 0
     assert not any("other" in r.getMessage() and "settings" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_every_s_saves_by_the_clock(tmp_path, restore_torch_flags):
+    ckpt_dir = str(tmp_path / "ckpt")
+    args = [*TINY, "--max-steps", "5", "--ckpt-dir", ckpt_dir, "--run-dir", str(tmp_path / "r"),
+            "--ckpt-every", "0", "--set", "checkpoint.every_s=0.001",
+            "--set", "checkpoint.keep_last=0"]  # fmt: skip
+    assert trainer_main(args) == 0
+    import ckpt
+
+    assert [i.step for i in ckpt.list_checkpoints(ckpt_dir)] == [5, 4, 3, 2, 1]

@@ -408,7 +408,10 @@ def _coerce(key: str, raw: object, annotation: str) -> object:
         if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
             raise ValueError(f"config {key}={raw!r}: must be a list of strings")
         return list(raw)
-    raise TypeError(f"unsupported config field type {annotation} for {key}")  # internal
+    raise ValueError(
+        f"config {key}: set it in Python (ckpt.CheckpointOptions), not in a config file: its "
+        f"type is {annotation}"
+    )
 
 
 def _field_types(cls: type) -> dict[str, str]:

@@ -16,7 +16,7 @@ from typing import Any
 from ckpt.errors import StateMismatchError
 from ckpt.loading.restore import LoadResult
 from ckpt.loading.restore import load as _load
-from ckpt.saving.policy import EveryNSteps, SaveDecisionPolicy
+from ckpt.saving.policy import SaveDecisionPolicy
 from ckpt.saving.saves import DurableSaves
 from ckpt.state.rng import RNG_STATE_KEY
 from ckpt.tiers import Candidate, ResumeScope, SaveRequest, TierContext
@@ -97,6 +97,11 @@ class DurableTier:
     def resumed(self, cand: Candidate) -> None:
         pass
 
+    def save_in_flight(self) -> bool:
+        """A save of this tier is still being written (what a clock policy waits for)."""
+        pending = self._saves.saver.pending
+        return pending is not None and not pending.done()
+
     def exhausted(self) -> None:
         pass
 
@@ -112,5 +117,5 @@ class DurableTier:
 def build_durable_tier(ctx: TierContext) -> DurableTier:
     """The durable tier of a manager: saves every ``options.every`` steps and at ``final``."""
     return DurableTier(
-        ctx.saves, policy=EveryNSteps(ctx.options.every), async_save=ctx.options.async_save
+        ctx.saves, policy=ctx.options.durable_policy(), async_save=ctx.options.async_save
     )
