@@ -93,7 +93,9 @@ class SeededDataset:
         return len(self.dataset)
 
     def __getattr__(self, name: str) -> Any:
-        if name == "dataset":  # not set yet (unpickling): no recursion
+        # "dataset" before it is set (unpickling): no recursion. Dunders (a batched
+        # ``__getitems__``, which DataLoader's fetcher prefers) would bypass the seeding.
+        if name == "dataset" or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 

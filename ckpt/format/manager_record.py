@@ -42,13 +42,20 @@ def _str_map(value: Any) -> bool:
     )
 
 
+def _tied(value: Any) -> bool:
+    """``{state key: {tied name: the name it is stored under}}``."""
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and _str_map(v) for k, v in value.items()
+    )
+
+
 _FIELDS: dict[str, tuple[Any, str]] = {
     "keys": (_str_list, "a list of names"),
     "fresh_optimizers": (_str_list, "a list of names"),
     "per_rank": (_str_list, "a list of state paths"),
-    "rng": (lambda v: isinstance(v, bool), "true or false"),
+    "rng": (lambda v: isinstance(v, bool | int), "true or false"),
     "shapes": (_shapes, "{key: {tensor: [sizes >= 0]}}"),
-    "tied": (_str_map, "{name: name}"),
+    "tied": (_tied, "{key: {name: name}}"),
     "data_position": (lambda v: isinstance(v, dict), "a mapping"),
 }
 

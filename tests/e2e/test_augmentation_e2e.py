@@ -70,3 +70,29 @@ def test_a_users_loader_with_workers_and_no_hook_is_said_at_the_first_save(tmp_p
     assert "sampler.seeded(dataset)" in said
     quiet = run(tmp_path / "d", tmp_path / "d.jsonl", "user", 2, False, 5)
     assert "cannot replay" not in quiet
+
+
+def test_a_dataset_with_a_batched_getitems_is_still_seeded_per_sample():
+    import torch
+    from torch.utils.data import DataLoader
+
+    import elastic
+
+    class Batched:
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.rand(())
+
+        def __getitems__(self, keys):  # what DataLoader's fetcher prefers when present
+            return [torch.rand(()) for _ in keys]
+
+    def draws(workers: int) -> list[float]:
+        sampler = elastic.ElasticSampler(8, global_batch=4, seed=3, rank=0, world_size=1)
+        loader = DataLoader(sampler.seeded(Batched()), sampler=sampler, batch_size=4,
+                            num_workers=workers)  # fmt: skip
+        it = iter(loader)
+        return [float(x) for _ in range(2) for x in next(it)]
+
+    assert draws(0) == draws(2)  # the same numbers, served by the main process or workers

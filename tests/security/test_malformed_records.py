@@ -83,7 +83,8 @@ def test_a_malformed_manager_record_fails_verify_and_a_resume_falls_back(tmp_pat
         ({}, []),
         ({"ckpt_manager": {"keys": ["model"], "shapes": {"model": {"w": [2, 3]}}}}, []),
         ({"ckpt_manager": {"shapes": {"model": {"w": [2, -1]}}}}, ["'shapes'"]),
-        ({"ckpt_manager": {"rng": "yes", "tied": {"a": 1}}}, ["'rng'", "'tied'"]),
+        ({"ckpt_manager": {"rng": "yes", "tied": {"model": {"a": 1}}}}, ["'rng'", "'tied'"]),
+        ({"ckpt_manager": {"tied": {"model": {"lm_head.weight": "embed.weight"}}}}, []),
         ({"ckpt_manager": "x"}, ["not a mapping"]),
     ],
 )
