@@ -144,6 +144,7 @@ def check_metadata(metadata: Metadata, manifest: Manifest, *, url: str = "") -> 
     if not isinstance(storage, dict):
         raise _bad(url, "storage_data is not a dict")
     extents: dict[str, list[tuple[int, int, str]]] = {}
+    chunk_bytes: dict[str, dict[tuple[int, ...], int]] = {}
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
             raise _bad(url, f"a storage key is a {type(index).__name__}, not a MetadataIndex")
@@ -175,7 +176,7 @@ def check_metadata(metadata: Metadata, manifest: Manifest, *, url: str = "") -> 
         extents.setdefault(path, []).append((offset, length, index.fqn))
         md = sdm[index.fqn]
         if isinstance(md, TensorStorageMetadata):
-            declared = _declared_bytes(md, index)
+            declared = _declared_bytes(md, index, chunk_bytes)
             if declared is None:
                 raise _bad(url, f"storage item of {index.fqn!r} at {index.offset} is no chunk of it")
             if declared > length:
@@ -228,15 +229,22 @@ def _check_tensor(fqn: str, md: TensorStorageMetadata, url: str) -> None:
             raise _bad(url, f"tensor {fqn!r} has a chunk outside its shape {list(md.size)}")
 
 
-def _declared_bytes(md: TensorStorageMetadata, index: MetadataIndex) -> int | None:
-    """Bytes of dense data the chunk at ``index.offset`` declares (None: no such chunk)."""
-    for chunk in md.chunks:
-        if index.offset is None or tuple(chunk.offsets) == tuple(index.offset):
+def _declared_bytes(
+    md: TensorStorageMetadata, index: MetadataIndex, cache: dict[str, dict[tuple[int, ...], int]]
+) -> int | None:
+    """Bytes of dense data the chunk at ``index.offset`` declares (None: no such chunk).
+    ``cache`` holds each tensor's chunks by offsets, built once per tensor."""
+    by_offsets = cache.get(index.fqn)
+    if by_offsets is None:
+        by_offsets = cache[index.fqn] = {}
+        for chunk in md.chunks:
             numel = 1
             for n in chunk.sizes:
                 numel *= n
-            return numel * md.properties.dtype.itemsize
-    return None
+            by_offsets.setdefault(tuple(chunk.offsets), numel * md.properties.dtype.itemsize)
+    if index.offset is None:
+        return next(iter(by_offsets.values()), None)
+    return by_offsets.get(tuple(index.offset))
 
 
 def _count(value: Any) -> bool:
