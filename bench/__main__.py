@@ -38,6 +38,7 @@ from bench.export import EXPORT_MIN_BYTES, export_metrics, export_rounds
 from bench.fault_cost import LOADER_PLAN, KillPlan, fault_cost_run, loader_fault_cost_run
 from bench.fsdp_state import layer_width
 from bench.gcs import gcs_rounds
+from bench.loader_rng import loader_metrics
 from bench.report import markdown_table, write_json
 from bench.rounds import load_rounds, reshard_load, reshard_save, save_rounds
 from bench.s3 import s3_rounds
@@ -641,6 +642,7 @@ def tasks(
         ("elastic", "silent node jobs", lambda: _silent(work, mode)),
         ("elastic", "loader-worker job", lambda: _loader(work, mode)),
         ("rendezvous", "rendezvous simulation", lambda: _rendezvous(mode)),
+        ("loader", "loader randomness", lambda: loader_metrics()),
         ("export", "export rounds", lambda: _export(own("export"), mode)),
         ("curves", "cost curves", lambda: _curves(own("curves"), mode, plot_dir)),
     ]

@@ -31,6 +31,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     "loader_fault_cost_s": (1.5, "<="),
     "loader_survivor_exit_s": (0.5, "<="),
     "rendezvous_vs_c10d": (0.33, "<="),
+    "loader_resume_exact": (1.0, ">="),
+    "loader_seed_overhead": (1.2, "<="),
     "export_memory": (2.0, "<="),
     "export_vs_read": (0.8, ">="),
     "gcs_load_vs_cat": (1.3, ">="),
@@ -72,6 +74,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "loader_survivor_exit_s",
     ),
     "rendezvous": ("rendezvous_vs_c10d",),
+    "loader": ("loader_resume_exact", "loader_seed_overhead"),
     "export": ("export_memory", "export_vs_read"),
     "curves": (
         "curve_save_bytes_exp",

@@ -54,16 +54,22 @@ class SampleKey(int):
         return f"SampleKey({int(self)}, position={self.position})"
 
 
-@contextlib.contextmanager
-def seeded_draws(seed: int) -> Iterator[None]:
-    """Inside: ``torch``'s default CPU generator, ``random`` and ``numpy``'s global
-    generator seeded from ``seed``; on exit (or an error) each gets its state back."""
-    torch_state = torch.default_generator.get_state()
-    random_state = random.getstate()
-    numpy_state = np.random.get_state()
+def seed_draws(seed: int) -> None:
+    """``torch``'s default CPU generator, ``random`` and ``numpy``'s global generator
+    seeded from ``seed``."""
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed & 0xFFFF_FFFF)
+
+
+@contextlib.contextmanager
+def seeded_draws(seed: int) -> Iterator[None]:
+    """Inside: the generators seeded from ``seed`` (:func:`seed_draws`); on exit (or an
+    error) each gets its state back."""
+    torch_state = torch.default_generator.get_state()
+    random_state = random.getstate()
+    numpy_state = np.random.get_state()
+    seed_draws(seed)
     try:
         yield
     finally:
@@ -86,6 +92,12 @@ class SeededDataset:
             return self.dataset[key]
         from elastic.rng import derive_seed
 
+        if torch.utils.data.get_worker_info() is not None:
+            # A loader worker's global streams serve this dataset only, and are reseeded
+            # for every sample: nothing to give back, and saving numpy's state and
+            # restoring it would cost ~0.1 ms a sample, more than the seeding.
+            seed_draws(derive_seed(self.seed, position, SAMPLE_STREAM))
+            return self.dataset[int(key)]
         with seeded_draws(derive_seed(self.seed, position, SAMPLE_STREAM)):
             return self.dataset[int(key)]
 
