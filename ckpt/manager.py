@@ -348,7 +348,7 @@ class CheckpointManager:
         walk.fresh_start_note = fresh_start.fresh_start_message(
             self.root,
             restart_count=_env.run_identity()[1],
-            periodic=bool(self.options.every or self.options.memory_every),
+            periodic=self.options.saves_periodically,
             root_existed=existed,
             siblings=siblings,
         )
@@ -571,5 +571,5 @@ def _say_start(root: str, options: CheckpointOptions, retention: str) -> None:
     else:
         logger.info("rank 0: checkpoints under %s: %s", root, retention)
     restarts = _env.max_restarts()
-    if restarts > 0 and not options.every and not options.memory_every:
+    if restarts > 0 and not options.saves_periodically:
         logger.warning("rank 0: %s", fresh_start.no_periodic_save_message(restarts))

@@ -149,6 +149,12 @@ class CheckpointOptions:
             return steps
         return AnyOf((steps, EverySeconds(float(self.every_s))))
 
+    @property
+    def saves_periodically(self) -> bool:
+        """Some tier saves before ``final``: by steps, by the clock, by a policy of the
+        user's own (assumed to), or to the memory tier."""
+        return bool(self.every or self.every_s or self.policy is not None or self.memory_every)
+
     def retention(self) -> RetentionPolicy | None:
         """``keep_last``/``keep_every`` as the policy applied after each commit (None: keep all)."""
         if self.keep_last == 0:

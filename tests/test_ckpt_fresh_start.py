@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.loading.fresh_start import fresh_start_message, local_root_state
+from ckpt.loading.fresh_start import fresh_start_message, local_root_state, no_periodic_save_message
+from ckpt.saving.policy import EverySeconds
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(120)
@@ -47,9 +48,7 @@ def test_a_new_root_and_an_empty_existing_root_are_told_apart(tmp_path, caplog, 
     assert any("the root exists but holds no committed checkpoint" in m for m in said), said
 
 
-def test_a_typo_in_the_root_names_the_sibling_that_holds_checkpoints(
-    tmp_path, caplog, monkeypatch
-):
+def test_a_typo_in_the_root_names_the_sibling_that_holds_checkpoints(tmp_path, caplog, monkeypatch):
     real = str(tmp_path / "experiment-1")
     with ckpt.CheckpointManager(real, {"model": torch.nn.Linear(2, 2)}) as manager:
         manager.save(4)
@@ -79,6 +78,20 @@ def test_no_periodic_save_under_torchrun_restarts_is_said_at_start(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="ckpt.manager"):
         ckpt.CheckpointManager(str(tmp_path / "b"), {"m": torch.nn.Linear(2, 2)}, every=5).close()
     assert not any("no periodic checkpoint" in m for m in _warnings(caplog))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"every_s": 60.0}, {"policy": EverySeconds(30.0)}],
+    ids=["every_s", "policy"],
+)
+def test_saving_by_the_clock_or_a_policy_is_periodic(tmp_path, caplog, monkeypatch, options):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with caplog.at_level(logging.WARNING, logger="ckpt.manager"):
+        opts = ckpt.CheckpointOptions(**options)
+        ckpt.CheckpointManager(str(tmp_path), {"m": torch.nn.Linear(2, 2)}, options=opts).close()
+    assert not any("no periodic checkpoint" in m for m in _warnings(caplog)), _warnings(caplog)
+    assert "every_s=S" in no_periodic_save_message(3)
 
 
 @pytest.mark.parametrize(

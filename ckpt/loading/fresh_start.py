@@ -58,8 +58,9 @@ def fresh_start_message(
     head = f"no committed checkpoint under {root}: starting from step 0"
     if restart_count > 0:
         why = (
-            "this manager saves no periodic checkpoint (every=0): pass every=N to "
-            "CheckpointManager/CheckpointOptions to bound what a failure costs"
+            "this manager saves no periodic checkpoint (every=0): pass every=N (steps) or "
+            "every_s=S (seconds) to CheckpointManager/CheckpointOptions to bound what a "
+            "failure costs"
             if not periodic
             else "no save committed before the failure"
         )
@@ -84,6 +85,6 @@ def no_periodic_save_message(max_restarts: int) -> str:
     return (
         f"no periodic checkpoint (every=0) while torchrun may restart this job "
         f"{max_restarts} time(s): a failure restarts training from step 0 (or from the last "
-        "save this script makes itself); pass every=N to CheckpointManager/CheckpointOptions "
-        "to bound what a failure costs"
+        "save this script makes itself); pass every=N (steps) or every_s=S (seconds) to "
+        "CheckpointManager/CheckpointOptions to bound what a failure costs"
     )
