@@ -78,6 +78,9 @@ from ckpt.saving.async_save import PendingSave, close, wait_pending
 from ckpt.saving.commit import save
 from ckpt.state.per_rank import PerRank
 from ckpt.storage import StorageOptions
+from runcore.redact import install_log_redaction
+
+install_log_redaction()  # root URLs' credentials and a root's control characters, in every log line
 
 __all__ = [
     "CheckpointDirError",

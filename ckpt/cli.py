@@ -48,6 +48,7 @@ from ckpt.loading.verify import (
     verify_dir,
 )
 from ckpt.storage import DIR, Storage
+from runcore.redact import RedactingStream, redact
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -67,7 +68,8 @@ def shown(text: object) -> str:
     """``text`` safe for a terminal: names and reasons come from the checkpoint root, which
     anyone with write access to it controls (control characters are escaped)."""
     return "".join(
-        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text)
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+        for c in redact(str(text))
     )
 
 
@@ -610,6 +612,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI; a password or signed query in a URL never reaches its output (a root URL
+    is printed in most lines and in the error messages)."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = RedactingStream(out), RedactingStream(err)
+    try:
+        return _main(argv)
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "gc" and args.keep_last is None and not args.quarantined:

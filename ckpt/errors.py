@@ -17,10 +17,16 @@ same script on the same checkpoint raises them again, so a restart cannot help.
 from __future__ import annotations
 
 from runcore.errors import DeterministicError, JobEndingError
+from runcore.redact import redact
 
 
 class CheckpointError(Exception):
-    """Base class of every error raised by the checkpoint library."""
+    """Base class of every error raised by the checkpoint library. Its message never shows
+    a URL's password or signed query (:func:`runcore.redact.redact`): it reaches logs,
+    tracebacks and torchrun's error file."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class StorageError(CheckpointError):

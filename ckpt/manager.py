@@ -58,6 +58,7 @@ from ckpt.storage.faults import FaultRegistry, parse_storage_faults
 from ckpt.tiers import SaveRequest, Tier, TierBuilder, TierContext
 from ckpt.tiers.defaults import DEFAULT_TIERS
 from runcore import events as ev
+from runcore.redact import redact_fields
 
 __all__ = ["CheckpointManager", "EventCallback", "ResumeInfo"]
 
@@ -258,7 +259,7 @@ class CheckpointManager:
 
     def _emit(self, name: str, step: int, **fields: Any) -> None:
         if self._on_event is not None:
-            self._on_event(name, step, **fields)
+            self._on_event(name, step, **redact_fields(fields))
 
     def _sink(self, **extra: Any) -> Callable[[dict[str, Any]], None]:
         def sink(event: dict[str, Any]) -> None:

@@ -17,6 +17,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from runcore.redact import install_log_redaction
+
+install_log_redaction()
+
 if TYPE_CHECKING:
     from elastic.distributed import DistContext, close_distributed, init_distributed
     from elastic.errors import (

@@ -24,6 +24,7 @@ import time
 from typing import Any, TextIO
 
 from runcore import events as ev
+from runcore.redact import redact_fields
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class RunRecorder:
     def _write(self, fh: TextIO | None, record: dict[str, Any]) -> None:
         if fh is None:
             return
-        line = json.dumps(record, sort_keys=True) + "\n"
+        line = json.dumps(redact_fields(record), sort_keys=True) + "\n"
         with self._lock:
             if fh.closed:
                 return
