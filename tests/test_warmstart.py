@@ -27,10 +27,10 @@ pytestmark = pytest.mark.timeout(120)
 
 AGENT = r"""
 import json, os, socket, subprocess, sys, time
-from warmstart.protocol import socket_names
+from warmstart.protocol import runtime_dir, socket_names
 run_id, out_dir, attempts = sys.argv[1], sys.argv[2], int(sys.argv[3])
 launcher_args = sys.argv[4:]
-_, serve = socket_names(os.getpid(), run_id)
+_, serve = socket_names(os.getpid(), run_id, runtime_dir()[0])
 for attempt in range(attempts):
     if attempt:
         deadline = time.monotonic() + 20

@@ -14,8 +14,9 @@ Run the training entry point through this launcher and a restart skips it::
 What happens (``docs/design.md``, "Warm restarts"):
 
 - Each worker torchrun starts is a *launcher*: a small interpreter that imports nothing
-  heavy. It looks for this node's *zygote* (one per torchrun agent, found by an abstract
-  Unix socket named after the agent's pid and the run id).
+  heavy. It looks for this node's *zygote* (one per torchrun agent, found by a Unix
+  socket named after the agent's pid and the run id, in this user's private directory:
+  ``protocol.runtime_dir``).
 - None yet (the first attempt): the launcher starts one in the background and runs the
   target itself, in-process, exactly like ``python -m trainer`` would.
 - A zygote is ready (every later attempt): it forks a child with the launcher's argv,

@@ -20,6 +20,7 @@ from warmstart.protocol import (
     Target,
     peer_pid_uid,
     recv_frame,
+    runtime_dir,
     send_frame,
     socket_names,
 )
@@ -133,9 +134,9 @@ class NotOurZygote(ConnectionError):
 
 def _connect(name: str) -> tuple[socket.socket, int] | None:
     """A connection to this node's zygote and its pid, or None when none listens. Raises
-    :class:`NotOurZygote`, before a byte is sent, when the listener is another user's: an
-    abstract socket name is open to every local user, and the request carries this
-    process's environment (credentials) and stdio."""
+    :class:`NotOurZygote`, before a byte is sent, when the listener is another user's (the
+    socket lives in this user's private directory, so only root could put one there; the
+    request carries this process's environment, credentials included, and its stdio)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(name)
@@ -247,7 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         run_target(target)
         return 0
     agent_pid = os.getppid()
-    _lock, serve_name = socket_names(agent_pid, run_id)
+    directory, passed = runtime_dir()
+    for why in passed:
+        _say(f"warm-start directory {why}: not used")
+    if directory is None:
+        _say("no private warm-start directory of this user (see above): running cold")
+        run_target(target)
+        return 0
+    _lock, serve_name = socket_names(agent_pid, run_id, directory)
     try:
         found = _connect(serve_name)
     except NotOurZygote as exc:

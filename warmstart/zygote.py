@@ -19,6 +19,8 @@ thread, so nothing else may run here. Every 0.1 s it also
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gc
 import importlib
 import os
@@ -30,7 +32,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from warmstart.protocol import Target, peer_pid_uid, recv_frame, send_frame, socket_names
+from warmstart.protocol import (
+    Target,
+    peer_pid_uid,
+    recv_frame,
+    runtime_dir,
+    send_frame,
+    socket_names,
+)
 from warmstart.target import run_target
 
 TICK_S = 0.1
@@ -189,9 +198,7 @@ def _refuse(
     _last_word(launcher, launchers, {"stale": path})
 
 
-def _last_word(
-    launcher: Launcher, launchers: dict[socket.socket, Launcher], payload: dict
-) -> None:
+def _last_word(launcher: Launcher, launchers: dict[socket.socket, Launcher], payload: dict) -> None:
     """Send ``launcher`` its final frame (it may be gone) and forget it."""
     try:
         send_frame(launcher.sock, payload)
@@ -287,12 +294,31 @@ def main(argv: list[str]) -> int:
     if modules[:1] == ["--watch"] and len(modules) > 1:
         watched = [m for m in modules[1].split(",") if m]
         modules = modules[2:]
-    lock_name, serve_name = socket_names(agent_pid, run_id)
-    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    directory, _passed = runtime_dir()  # the launcher said why, if it had to pass any
+    if directory is None:
+        return 0
+    lock_path, serve_path = socket_names(agent_pid, run_id, directory)
     try:
-        lock.bind(lock_name)
+        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:
+        return 0
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock)
         return 0  # another zygote serves (or is getting ready to serve) this agent
+    held = [lock]
+
+    def release(remove_lock: bool = False) -> None:
+        """The names go (stale code, or the agent gone): a fresh zygote may take them."""
+        if held:
+            with contextlib.suppress(OSError):
+                os.unlink(serve_path)
+            if remove_lock:
+                with contextlib.suppress(OSError):
+                    os.unlink(lock_path)
+            os.close(held.pop())
+
     started = time.monotonic()
     for name in [*modules, *watched]:
         try:
@@ -307,17 +333,21 @@ def main(argv: list[str]) -> int:
     # resume itself.
     gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(serve_name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(serve_path)  # a dead zygote's: the lock says none serves
+    listener.bind(serve_path)
     listener.listen(64)
     print(
         f"warmstart zygote: ready for agent {agent_pid} after {time.monotonic() - started:.1f} s"
         f" ({len(sources)} watched source files)",
         file=sys.stderr,
     )
-    request = serve(listener, agent_pid, sources, release=lock.close)
+    request = serve(listener, agent_pid, sources, release=release)
     if request is None:
+        release(remove_lock=True)  # the agent is gone: no zygote will want them
         return 0
-    lock.close()
+    if held:
+        os.close(held.pop())  # the child's copy; the zygote keeps the lock
     become_child(request)
     run_target(request.target)
     return 0
