@@ -9,7 +9,7 @@ process joining one rendezvous (``rdzv_backend``: c10d by default, or ``ft``), o
 own, on its own address.
 The rendezvous store runs in a process of its own (``is_host=0`` on every agent),
 so losing any agent, the first one included, does not end the job. Agents get the
-settings the README recommends: short rendezvous timeouts, and with c10d
+settings docs/elastic.md recommends: short rendezvous timeouts, and with c10d
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (never with ``ft``, which needs none).
 
 Only processes this harness started are ever signalled: the store, the agents, and
@@ -107,7 +107,7 @@ class ElasticJob:
     max_restarts: int = 3
     rdzv_id: str = "e2e"
     rdzv_backend: str = "c10d"
-    """``c10d`` (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as the README asks) or ``ft``
+    """``c10d`` (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as docs/elastic.md asks) or ``ft``
     (no variable needed: its workers never share the agent's store)."""
     env: dict[str, str] = field(default_factory=dict)
     data_dir: str = ""
