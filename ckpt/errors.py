@@ -102,6 +102,17 @@ class StateMismatchError(CheckpointError, DeterministicError):
     """
 
 
+class StateApplyError(StateMismatchError):
+    """A loaded checkpoint's values could not be put into the objects: a
+    ``load_state_dict`` raised (a value of the wrong type or range, or code that changed).
+    A resume then tries the older checkpoints: one that applies shows the newer ones
+    damaged (they are quarantined); none that does is this error, at once."""
+
+    def __init__(self, message: str, *, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class CheckpointExistsError(CheckpointError):
     """A committed checkpoint already exists at this step; committed checkpoints are immutable."""
 

@@ -196,7 +196,7 @@ def load(
                     }
                 )
             if quarantine and should_quarantine(exc):
-                _set_aside(cat, coll, skip, on_event)
+                set_aside(cat, coll, skip, on_event)
             elif coll.is_coordinator:
                 cat.mark(candidate, CORRUPT, reason)
             continue
@@ -274,7 +274,7 @@ def _say_not_loaded(not_loaded: list[str], url: str) -> None:
     )
 
 
-def _set_aside(
+def set_aside(
     cat: Catalog, coll: Collective, skip: SkippedCheckpoint, on_event: EventSink | None
 ) -> None:
     """Quarantine a checkpoint every rank failed to load (the coordinator moves it)."""

@@ -22,9 +22,14 @@ from typing import Any
 
 from ckpt import dist as _dist
 from ckpt import env
-from ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointShapeError
-from ckpt.loading.discovery import Catalog
-from ckpt.loading.restore import LoadResult, refuse_only_quarantined
+from ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointShapeError,
+    StateApplyError,
+)
+from ckpt.loading.discovery import REFUSED, Catalog
+from ckpt.loading.restore import LoadResult, SkippedCheckpoint, refuse_only_quarantined, set_aside
 from ckpt.state import per_rank
 from ckpt.state.app_state import AppState, param_group_changes, shape_mismatch
 from ckpt.state.capture import MANAGER_META_KEY, StateCapture
@@ -164,7 +169,58 @@ class ResumeWalk:
         scope: ResumeScope,
         must: bool,
     ) -> int | None:
-        """Resume from one candidate: its step; None to try the next; -1 for "nothing"."""
+        """Resume from one candidate: its step; None to try the next; -1 for "nothing".
+
+        A checkpoint whose values the objects refuse (:class:`StateApplyError` on some
+        rank) is not used: a snapshot tier goes on to the next tier; the durable tier
+        tries the older committed checkpoints. When an older one applies, the refused
+        ones were damaged: they are quarantined at ERROR. When none does, the code (or
+        its objects) changed, not the checkpoints: the first refusal is raised, and
+        every checkpoint stays in place."""
+        refused: list[SkippedCheckpoint] = []
+        while True:
+            try:
+                loaded = self._resume_once(tier, cand, scope, must, refused)
+            except _NotApplied as exc:
+                skip = exc.skip
+                if self.rank == 0:
+                    logger.error(
+                        "rank 0: %s step %d could not be applied: %s; trying %s",
+                        tier.name, skip.step, skip.reason,
+                        "the previous one" if tier.strict else "the next tier",
+                    )  # fmt: skip
+                self._emit(
+                    ev.FALLBACK, skip.step, tier=tier.name, url=skip.url, path=skip.path,
+                    reason=skip.reason,
+                )  # fmt: skip
+                if not tier.strict:
+                    scope.notes.append(f"{tier.name} step {skip.step} rejected: {skip.reason}")
+                    return None
+                refused.append(skip)
+                if self.rank == 0:
+                    scope.catalog.mark(skip.step, REFUSED, skip.reason)  # the walk skips it
+                continue
+            break
+        if refused and loaded is not None and loaded >= 0:
+            coll = _dist.Collective(self._group)
+            for skip in refused:  # an older checkpoint applied: these were damaged
+                set_aside(scope.catalog, coll, skip, self._sink_quarantined)
+        return loaded
+
+    def _sink_quarantined(self, event: dict[str, Any]) -> None:
+        fields = {k: v for k, v in event.items() if k not in ("event", "step")}
+        self._emit(ev.QUARANTINE, int(event["step"]), **fields)
+
+    def _resume_once(
+        self,
+        tier: Tier,
+        cand: Candidate,
+        scope: ResumeScope,
+        must: bool,
+        refused: list[SkippedCheckpoint],
+    ) -> int | None:
+        """One try of :meth:`_resume_from` (``refused``: checkpoints whose values did not
+        apply, skipped by this try)."""
         saved_shapes = self.app.canonical_shapes(cand.record.get("shapes", {}))
         problem = shape_mismatch(self.app.tensor_shapes(), saved_shapes)
         if problem is not None:
@@ -213,6 +269,16 @@ class ResumeWalk:
                 reason=str(exc),
             )
             return None
+        if result is None and refused:
+            first = refused[0]
+            raise StateApplyError(
+                f"no committed checkpoint under {self.root} could be applied to this job's "
+                f"objects (step {first.step}: {first.reason}); the same refusal by every "
+                "checkpoint means the code or the objects changed since they were written: "
+                "resume with the code that wrote them, or start a new root. Every checkpoint "
+                "is left in place.",
+                key=first.path,
+            )
         if result is None:  # every committed checkpoint vanished between listing and loading
             self._nothing_to_resume(must)
             return -1
@@ -226,6 +292,39 @@ class ResumeWalk:
             self.committed_step = head.step if head is not None else None
         self._tier_choice(tier, loaded, scope)
         return loaded
+
+    def _apply(
+        self,
+        result: LoadResult,
+        tier: Tier,
+        template: dict[str, Any],
+        fresh: list[str],
+        rng_restored: bool,
+    ) -> None:
+        """Put the loaded values into the objects (and the RNG state into the generators),
+        on every rank; raises :class:`_NotApplied` on every rank when one refused them."""
+        problem = ""
+        path = ""
+        try:
+            self.app.load(template, skip_optimizers=fresh)
+            if rng_restored:
+                path = RNG_STATE_KEY
+                restore_rng(template[RNG_STATE_KEY][rng_key(self.rank)], rng_device())
+        except StateApplyError as exc:
+            problem, path = str(exc), exc.key
+        except Exception as exc:  # the RNG state: a value of the wrong type or size
+            problem = f"the RNG state refused: {type(exc).__name__}: {exc}"
+        told = _dist.Collective(self._group).all_gather((problem, path))
+        for rank, (said, where) in enumerate(told):
+            if said:
+                raise _NotApplied(
+                    SkippedCheckpoint(
+                        step=int(result.step),
+                        url=tier.url(result),
+                        reason=f"rank {rank}: {said}" if len(told) > 1 else said,
+                        path=where,
+                    )
+                )
 
     def _nothing_to_resume(self, must: bool) -> None:
         """A resume that found no committed checkpoint: an error with ``must``, else said."""
@@ -311,16 +410,14 @@ class ResumeWalk:
     ) -> int:
         """Push a loaded checkpoint into the objects, set RNG, record and report the resume."""
         constructed = self.app.param_groups()
-        self.app.load(template, skip_optimizers=fresh)
-        self._say_param_groups(constructed, int(result.step))
-        self._capture.mark_resumed(int(result.step))
-        self._report_batch_changes(int(result.step))
         old_world = int(result.manifest.world_size)
         loaded_step = int(result.step)
         rng_restored = rng_loaded and old_world == self.world_size
-        if rng_restored:
-            restore_rng(template[RNG_STATE_KEY][rng_key(self.rank)], rng_device())
-        elif self.rng:
+        self._apply(result, tier, template, fresh, rng_restored)
+        self._say_param_groups(constructed, int(result.step))
+        self._capture.mark_resumed(int(result.step))
+        self._report_batch_changes(int(result.step))
+        if not rng_restored and self.rng:
             reseed_process(self.seed, loaded_step, self.rank)
         user_meta = {k: v for k, v in result.metadata.items() if k != MANAGER_META_KEY}
         url = tier.url(result)
@@ -364,3 +461,12 @@ class ResumeWalk:
             **extra,
         )
         return loaded_step
+
+
+class _NotApplied(Exception):
+    """A loaded checkpoint's values were refused by an object on some rank (every rank
+    raises it: the refusal was agreed)."""
+
+    def __init__(self, skip: SkippedCheckpoint) -> None:
+        super().__init__(skip.reason)
+        self.skip = skip

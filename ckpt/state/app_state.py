@@ -38,6 +38,8 @@ path. Pure bookkeeping; no collectives except those inside DCP's state-dict help
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ckpt.errors import StateSpecError
+from ckpt.errors import StateApplyError, StateSpecError
 from ckpt.format import names
 from ckpt.state.per_rank import PER_RANK_KEY, PerRank
 from ckpt.state.rng import RNG_STATE_KEY
@@ -186,15 +188,21 @@ class AppState:
     # -- load ----------------------------------------------------------------------------
 
     def load(self, loaded: dict[str, Any], *, skip_optimizers: list[str] = ()) -> None:  # type: ignore[assignment]
-        """Push a loaded state (the template after ``ckpt.load``) back into the objects."""
+        """Push a loaded state (the template after ``ckpt.load``) back into the objects.
+
+        Raises :class:`~ckpt.errors.StateApplyError` naming the state key whose object
+        refused its values (what it raised is the cause)."""
         for key, module in self.modules.items():
-            names.restore_aliases(loaded[key], self.aliases.get(key, {}))
-            set_model_state_dict(module, loaded[key])
+            with _applying(key):
+                names.restore_aliases(loaded[key], self.aliases.get(key, {}))
+                set_model_state_dict(module, loaded[key])
         for key, (optim, owner) in self.optimizers.items():
             if key not in skip_optimizers:
-                set_optimizer_state_dict(owner, optim, loaded[key])
+                with _applying(key):
+                    set_optimizer_state_dict(owner, optim, loaded[key])
         for key, obj in self.statefuls.items():
-            obj.load_state_dict(loaded[key])
+            with _applying(key):
+                obj.load_state_dict(loaded[key])
         for key in self.plain:
             if isinstance(self.objects[key], PerRank):
                 self.objects[key].obj = loaded[key]
@@ -408,3 +416,14 @@ def shape_mismatch(
             if name not in shapes:
                 return f"the checkpoint has tensor {name!r} (shape {list(shape)}) that this model lacks"
     return None
+
+
+@contextlib.contextmanager
+def _applying(key: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        raise StateApplyError(
+            f"state {key!r} refused the checkpoint's values: {type(exc).__name__}: {exc}",
+            key=key,
+        ) from exc
