@@ -216,3 +216,45 @@ def test_code_pointing_keys_of_a_recorded_config_are_left_out_of_an_export(caplo
     config = json.loads(files["config.json"])
     assert config == {"model_type": "llama"}
     assert "auto_map" in caplog.text and "trust_remote_code" in caplog.text
+
+
+# -- stock torch.distributed.checkpoint.load of a tied model we saved -----------------------
+
+
+def _stock_load_tied(rank: int, world: int, url: str) -> dict:
+    """The recipe docs/ckpt.md gives for stock DCP: the tie is stored once, so the other
+    name is missing from the checkpoint; allow_partial_load leaves it to the tie."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = tiny_llama(999)  # other weights until the load
+    state = {"model": get_model_state_dict(model)}
+    try:
+        dcp.load(state, checkpoint_id=url)
+        strict = "loaded"
+    except CheckpointException as exc:  # what a stock reader sees without the recipe
+        strict = str(exc)
+    dcp.load(state, checkpoint_id=url, planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_model_state_dict(model, state["model"])
+    with torch.no_grad():
+        logits = model(torch.arange(8).unsqueeze(0)).logits
+    return {
+        "strict": strict,
+        "logits": logits,
+        "tied": model.lm_head.weight is model.get_input_embeddings().weight,
+    }
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [1, 2])
+def test_stock_dcp_load_of_a_tied_model_needs_only_allow_partial_load(llama_root, world):
+    root, model = llama_root
+    url = ckpt.find_latest_committed(root).url
+    got = run_ok(_stock_load_tied, world, url) if world > 1 else [_stock_load_tied(0, 1, url)]
+    with torch.no_grad():
+        expected = model(torch.arange(8).unsqueeze(0)).logits
+    for result in got:
+        assert "lm_head.weight" in result["strict"], result["strict"]  # why the recipe exists
+        assert result["tied"] and torch.equal(result["logits"], expected)
