@@ -42,7 +42,11 @@ the members' ``num_nodes_waiting`` non-zero and so restarts them into it.
 ``last_call_timeout``, ``join_timeout``, ``keep_alive_interval``,
 ``keep_alive_timeout``, ``rejoin_timeout``, ``poll_interval``, ``decide_interval``,
 ``connect_timeout``, ``read_timeout``
-(seconds, floats allowed).
+(seconds, floats allowed); torchrun's own ``timeout`` and ``rank`` and ``store_type=tcp``
+are accepted; any other key is a ``ValueError`` naming it (a misspelt setting would
+otherwise be ignored). A store that cannot be reached raises
+``RendezvousConnectionError`` within ``connect_timeout``; an endpoint whose name does
+not resolve, within ``RESOLVE_GRACE_S`` (10 s).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -82,6 +87,12 @@ DECIDERS = 3
 """The first joiners of a round, which evaluate it every ``poll_interval``."""
 
 
+OTHER_CONF_KEYS = frozenset({"is_host", "store_type", "timeout", "rank"})
+"""``--rdzv_conf`` keys that are not timing knobs: ``is_host``; ``store_type`` (``tcp``
+only); ``timeout`` (torchrun's ``--rdzv-timeout``, always passed; the join bound here is
+``join_timeout``) and ``rank`` (``--node-rank``), which torchrun adds itself."""
+
+
 @dataclass(frozen=True)
 class FtConfig:
     """Timing knobs, all in seconds; each can be set with ``--rdzv_conf key=value``."""
@@ -107,6 +118,19 @@ class FtConfig:
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> FtConfig:
+        known = set(cls.__dataclass_fields__) | OTHER_CONF_KEYS
+        unknown = sorted(set(params.config) - known)
+        if unknown:
+            raise ValueError(
+                f"--rdzv_conf {', '.join(unknown)}: not a setting of the ft rendezvous "
+                f"backend; its settings: {', '.join(sorted(known))}"
+            )
+        store_type = str(params.get("store_type", "tcp")).strip().lower()
+        if store_type != "tcp":
+            raise ValueError(
+                f"--rdzv_conf store_type={params.get('store_type')!r}: the ft rendezvous "
+                "backend runs on a TCP store only (store_type=tcp)"
+            )
         values = {}
         for name in cls.__dataclass_fields__:
             raw = params.get(name)
@@ -129,29 +153,68 @@ def connect_store(
     else the endpoint names this machine and the port is free), a client otherwise; and the
     socket a hosted store serves on (keep it open as long as the store), if any."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    deadline = time.monotonic() + config.connect_timeout
     cfg_is_host = params.get_as_bool("is_host")
     is_host = cfg_is_host if cfg_is_host is not None else _matches_machine_hostname(host)
     attempts = [True, False] if is_host and cfg_is_host is None else [is_host]
     last: Exception | None = None
     for as_server in attempts:
         try:
+            if not as_server:
+                # TCPStore's client retries past its timeout (twice it, and a C++ trace
+                # per try): reach the port first, within what is left of the bound.
+                reach(host, port, deadline)
             listener = listen_socket(host, port) if as_server else None
+            left = max(deadline - time.monotonic(), 1.0)
             store = TCPStore(
                 host,
                 port,
                 is_master=as_server,
                 multi_tenant=True,
                 wait_for_workers=False,
-                timeout=timedelta(seconds=config.connect_timeout if not as_server else 30),
+                timeout=timedelta(seconds=left if not as_server else 30),
                 **({"master_listen_fd": listener.fileno()} if listener is not None else {}),
             )
             return store, listener
+        except socket.gaierror as exc:
+            raise RendezvousConnectionError(
+                f"ft rendezvous: the endpoint host {host!r} does not resolve ({exc}); check "
+                "--rdzv_endpoint"
+            ) from exc
         except (RuntimeError, ValueError, TimeoutError, OSError) as exc:
             last = exc
     raise RendezvousConnectionError(
         f"ft rendezvous: could not reach the store at {host}:{port} within "
         f"{config.connect_timeout:g} s (is the host agent or the store process running?): {last}"
     ) from last
+
+
+RESOLVE_GRACE_S = 10.0
+"""How long a name that does not resolve is retried (a cluster's DNS entry for a service
+made at the same time as the job may lag it by seconds) before it is an error."""
+
+
+def reach(host: str, port: int, deadline: float) -> None:
+    """Return once a TCP connection to ``host:port`` succeeds (then closed); retry a
+    refused or unanswered one until ``deadline`` (``time.monotonic()``), then raise
+    ``TimeoutError``. A name that does not resolve raises ``socket.gaierror`` once it
+    has not for :data:`RESOLVE_GRACE_S` (or at the deadline, if sooner)."""
+    last: Exception | None = None
+    resolve_by = min(deadline, time.monotonic() + RESOLVE_GRACE_S)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no answer from {host}:{port}: {last}")
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 5.0)):
+                return
+        except socket.gaierror as exc:
+            if time.monotonic() >= resolve_by:
+                raise
+            last = exc
+        except OSError as exc:
+            last = exc
+        time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
 
 
 def listen_socket(host: str, port: int) -> socket.socket | None:
@@ -473,10 +536,14 @@ class FtRendezvousHandler(RendezvousHandler):
             store = self._store.clone() if isinstance(self._store, TCPStore) else self._store
         key = self._key(f"hb/{self.node_id}")
         store.set(key, f"0 {time.time()}")
+        # The thread holds no reference to the handler: a handler dropped without
+        # shutdown() is collected, and its finalizer stops the keep-alive.
+        stop, interval = self._hb_stop, self.config.keep_alive_interval
+        weakref.finalize(self, stop.set)
 
         def beat() -> None:
             n = 0
-            while not self._hb_stop.wait(self.config.keep_alive_interval):
+            while not stop.wait(interval):
                 n += 1
                 try:
                     store.set(key, f"{n} {time.time()}")

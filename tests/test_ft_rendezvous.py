@@ -325,3 +325,60 @@ def test_torchrun_discovers_the_backend():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "True", out.stdout + out.stderr
+
+
+# -- torch's rendezvous handler contract --------------------------------------------------
+
+
+def _params(endpoint: str, **conf: str) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend="ft", endpoint=endpoint, run_id="contract", min_nodes=1, max_nodes=1, **conf
+    )
+
+
+def test_an_unknown_conf_key_or_store_type_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"keep_alive_max_attempt: not a setting"):
+        FtConfig.from_params(_params("127.0.0.1:1", keep_alive_max_attempt="5"))
+    with pytest.raises(ValueError, match="store_type='file'"):
+        FtConfig.from_params(_params("127.0.0.1:1", store_type="file"))
+    # What torchrun adds itself, and the one store type there is, are settings.
+    FtConfig.from_params(_params("127.0.0.1:1", timeout="900", rank="0", store_type="TCP"))
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_store_raises_within_the_connect_timeout_not_twice_it():
+    port = free_port()  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port} within 6 s"):
+        create_handler(_params(f"127.0.0.1:{port}", is_host="0", connect_timeout="6"))
+    assert time.monotonic() - t0 < 7.5  # TCPStore's own client took ~1.5 x the bound
+
+
+@pytest.mark.timeout(60)
+def test_an_endpoint_that_does_not_resolve_raises_promptly(monkeypatch):
+    monkeypatch.setattr("elastic.rendezvous.RESOLVE_GRACE_S", 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="does not resolve"):
+        create_handler(_params("no-such-host.invalid:29400", connect_timeout="60"))
+    assert time.monotonic() - t0 < 5  # was: no error within 120 s
+
+
+@pytest.mark.timeout(60)
+def test_the_keep_alive_thread_stops_when_the_handler_is_dropped():
+    import gc
+    import threading
+
+    def keepalives() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "ft-rdzv-keepalive"]
+
+    before = set(keepalives())
+    handler = create_handler(
+        _params(f"127.0.0.1:{free_port()}", last_call_timeout="0.1", keep_alive_interval="0.05")
+    )
+    handler.next_rendezvous()
+    mine = [t for t in keepalives() if t not in before]
+    assert len(mine) == 1 and mine[0].is_alive()
+    del handler  # no shutdown(): torchrun's agent may just drop it
+    gc.collect()
+    mine[0].join(timeout=5)
+    assert not mine[0].is_alive()
