@@ -460,7 +460,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         rank=args.rank,
         unwrap=not args.keep_wrapper_names,
     )
-    print(describe(result))
+    print("\n".join(shown(line) for line in describe(result).splitlines()))
     return EXIT_OK
 
 
