@@ -443,6 +443,12 @@ class FtRendezvousHandler(RendezvousHandler):
                         ready = waited >= self.config.last_call_timeout
                 if ready:
                     live = self._alive_of(joined)  # a joiner that died since is left out
+                    if self.node_id in live:
+                        # The node that closes the round is rank 0: it is alive now, where
+                        # a joiner that died a moment ago still looks alive, and as rank 0
+                        # the others would wait on its address until they time out.
+                        live.remove(self.node_id)
+                        live.insert(0, self.node_id)
                     if len(live) >= self._min:
                         store.compare_set(result_key, "", json.dumps(live[: self._max]))
             left = deadline - time.monotonic()

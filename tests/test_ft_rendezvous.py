@@ -382,3 +382,16 @@ def test_the_keep_alive_thread_stops_when_the_handler_is_dropped():
     gc.collect()
     mine[0].join(timeout=5)
     assert not mine[0].is_alive()
+
+
+def test_a_joiner_that_died_before_the_round_closed_is_never_rank_0(server, nodes):
+    n = nodes(min_nodes=2, max_nodes=4)
+    # node "ghost" took slot 1 of round 0 and wrote a fresh keep-alive, then died.
+    prefix = "ft/job/"
+    server.add(f"{prefix}round", 0)
+    server.add(f"{prefix}r0/n", 1)
+    server.set(f"{prefix}r0/s1", "ghost")
+    server.set(f"{prefix}hb/ghost", f"0 {time.time()}")
+    infos = results(n.start([n.add(), n.add()]))
+    assert {i.world_size for i in infos} == {3}  # still alive-looking when the round closed
+    assert sorted(i.rank for i in infos)[0] == 0  # but rank 0 is one of the living
