@@ -31,7 +31,8 @@ have joined and every live member of the previous round is among them, or (c) at
 least ``min_nodes`` have joined and ``last_call_timeout`` has passed since this node
 saw ``min_nodes`` (first round only; a re-round waits up to ``rejoin_timeout`` for
 live members instead). The first node to see one of these writes the member list,
-leaving out any joiner whose keep-alive has gone stale since it joined. The round's
+leaving out any joiner whose keep-alive has gone stale since it joined, itself first
+(rank 0 is a node alive at the close; the others in join order). The round's
 first three joiners evaluate it every ``poll_interval``; the others only look for its
 result then (one store request) and evaluate it once per ``decide_interval``, in case
 all three died, so a round of hundreds of nodes does not load the store. A node
