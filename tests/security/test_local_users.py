@@ -12,10 +12,12 @@ still refused before a byte is sent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -87,6 +89,7 @@ def _squat(user: str, path: str, report: pathlib.Path) -> subprocess.Popen:
     squatter = subprocess.Popen(
         ["/usr/sbin/runuser", "-u", user, "--", "/usr/bin/python3", "-c", SQUATTER, path,
          str(report)],
+        start_new_session=True,  # runuser and its python child: one group to end
     )  # fmt: skip
     deadline = time.monotonic() + 30
     while not (report.exists() and "listening" in report.read_text()):
@@ -96,8 +99,10 @@ def _squat(user: str, path: str, report: pathlib.Path) -> subprocess.Popen:
 
 
 def _stop(squatter: subprocess.Popen) -> None:
-    if squatter.poll() is None:
-        squatter.kill()
+    """End runuser and the squatter it started (killing runuser alone left the squatter
+    running, and the user it runs as could then not be deleted)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(squatter.pid, signal.SIGKILL)
     squatter.wait(timeout=30)
 
 
