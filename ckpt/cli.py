@@ -221,7 +221,7 @@ def _to_verify(
     damaged = []
     for info in catalog:
         if info.committed:
-            return catalog.storage, info, damaged
+            return catalog.storage, catalog.info(info.step, chunks=True), damaged
         if info.status == DAMAGED:
             damaged.append(info)
     if not damaged:

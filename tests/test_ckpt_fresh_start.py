@@ -153,3 +153,52 @@ def test_under_torchrun_a_job_that_never_saves_is_warned_and_its_restart_says_wh
         proc.stderr
     ), proc.stderr[-3000:]
     assert "restart 1 of the job: the steps trained before the failure are lost" in proc.stderr
+
+
+def test_stock_dcp_checkpoints_are_named_as_such_by_ls_and_by_the_fresh_start(
+    tmp_path, caplog, monkeypatch
+):
+    # What torchtitan (step-N) or a plain dcp.save (under our own directory name) wrote
+    # is not ours to resume: it used to be listed as an interrupted save of ours (or not
+    # at all), and the job trained from step 0 saying only "no committed checkpoint".
+    import contextlib
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.cli
+
+    root = tmp_path / "run"
+    state = {"model": torch.nn.Linear(2, 2).state_dict()}
+    for name in ("checkpoint_0000030", "step-40"):
+        dcp.save(state, checkpoint_id=str(root / name), no_dist=True)
+    (root / "step-50").mkdir()  # named like torchtitan's, empty: not a checkpoint at all
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert ckpt.cli.main(["ls", str(root)]) == 0
+    rows = out.getvalue()
+    assert "save interrupted" not in rows, rows
+    lines = rows.splitlines()
+    assert any(line.split()[:2] == ["30", "foreign"] and "stock DCP" in line for line in lines)
+    assert any("step-40: a stock DCP checkpoint" in line for line in lines), rows
+    assert "step-50" not in rows, rows
+
+    said = _resume(str(root), caplog, monkeypatch)
+    (line,) = [m for m in said if "no committed checkpoint" in m]
+    assert "stock DCP checkpoints (step-40, checkpoint_0000030)" in line, line
+    assert "torch.distributed.checkpoint.load" in line and "ckpt.save" in line, line
+    # Nothing of them was touched.
+    assert sorted(os.listdir(root / "step-40")) == sorted(os.listdir(root / "checkpoint_0000030"))
+
+    # The way in that the message names (docs/adoption.md): dcp.load, then one save.
+    model = torch.nn.Linear(2, 2)
+    loaded = {"model": model.state_dict()}
+    dcp.load(loaded, checkpoint_id=str(root / "step-40"), no_dist=True)
+    model.load_state_dict(loaded["model"])
+    with ckpt.CheckpointManager(str(root / "ours"), {"model": model}) as manager:
+        manager.save(40)
+    fresh = torch.nn.Linear(2, 2)
+    with ckpt.CheckpointManager(str(root / "ours"), {"model": fresh}) as manager:
+        assert manager.resume() == 40
+    assert torch.equal(fresh.weight, state["model"]["weight"])

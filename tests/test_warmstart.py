@@ -9,11 +9,16 @@ torch under real torchrun is tests/e2e/test_warmstart_e2e.py.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pathlib
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -347,3 +352,42 @@ def test_the_zygote_watches_the_library_by_default_and_sees_a_changed_file(tmp_p
     assert zygote.changed_source(recorded) == str(copy)
     copy.unlink()
     assert zygote.changed_source(recorded) == str(copy)
+
+
+def test_a_starting_zygote_sweeps_what_killed_zygotes_left_and_keeps_a_live_ones(request):
+    # A zygote SIGKILLed (or OOM-killed) leaves its lock and socket files; a runtime dir
+    # that outlives jobs would fill with them. The next zygote removes those no live
+    # process holds, and nothing else.
+    # A short path: a socket's path is at most 107 bytes, and a longer runtime dir is
+    # passed over for the next candidate.
+    runtime = pathlib.Path(tempfile.mkdtemp(prefix="ws-"))
+    request.addfinalizer(lambda: shutil.rmtree(runtime, ignore_errors=True))
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "PYTHONPATH": REPO}
+    directory = runtime / "warmstart"
+    directory.mkdir(mode=0o700)
+    dead, live, sockless = "0" * 24, "a" * 24, "b" * 24
+    for stem in (dead, live):
+        (directory / f"{stem}.lock").write_bytes(b"")
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(directory / f"{stem}.sock"))  # left bound, as by a killed zygote
+    (directory / f"{sockless}.sock").write_bytes(b"")  # a socket whose lock is gone
+    (directory / "notes.txt").write_text("not the zygote's")
+    (directory / ("c" * 23 + ".lock")).write_bytes(b"")  # not a name the zygote makes
+    holder = os.open(directory / f"{live}.lock", os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live zygote's lock
+    try:
+        # An agent that is already gone: the zygote sweeps, serves nobody and exits,
+        # taking its own names with it.
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        proc = subprocess.run(
+            [sys.executable, "-m", "warmstart.zygote", str(gone.pid), "sweep-run", "json"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        left = sorted(os.listdir(directory))
+    finally:
+        os.close(holder)
+    assert left == sorted(
+        [f"{live}.lock", f"{live}.sock", "notes.txt", "c" * 23 + ".lock"]
+    ), left

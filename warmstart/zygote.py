@@ -288,6 +288,77 @@ def become_child(request: Request) -> None:
     os.environ.update(request.env)
 
 
+def _locked(path: str) -> int | None:
+    """An fd of ``path`` holding its ``flock``; None if a live process holds it, or it is
+    not a plain file of ours. The lock must still be the file at ``path`` once taken: a
+    sweep (:func:`sweep_stale`) may have removed the name between our open and our lock."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held, now = os.fstat(fd), os.lstat(path)
+        if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _take_lock(path: str) -> int | None:
+    for _ in range(3):  # a sweep removing the name as we open it: open the new one
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
+        os.close(fd)
+        fd = _locked(path)
+        if fd is not None:
+            return fd
+        if os.path.lexists(path):
+            return None  # held: another zygote serves this agent
+    return None
+
+
+def sweep_stale(directory: str, keep: tuple[str, ...] = ()) -> list[str]:
+    """Remove the lock and socket files of zygotes that died without cleaning up
+    (SIGKILLed, OOM-killed, a node's reboot of a persistent runtime dir): a lock no live
+    process holds, and a socket without its lock. What another live zygote holds stays.
+    Only names this module makes (24 hex digits, ``.lock`` or ``.sock``) are touched.
+    Returns the paths removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    stems = {n[:-5] for n in names if _is_ours(n)}
+    for stem in sorted(stems):
+        lock, sock = (os.path.join(directory, stem + ext) for ext in (".lock", ".sock"))
+        if lock in keep or sock in keep:
+            continue
+        fd = _locked(lock) if os.path.lexists(lock) else None
+        if fd is None and os.path.lexists(lock):
+            continue  # a live zygote's
+        try:
+            for path in (sock, lock):  # the socket first: a lock without one is never served
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    removed.append(path)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return removed
+
+
+def _is_ours(name: str) -> bool:
+    stem, _, ext = name.rpartition(".")
+    return (
+        ext in ("lock", "sock") and len(stem) == 24 and all(c in "0123456789abcdef" for c in stem)
+    )
+
+
 def main(argv: list[str]) -> int:
     agent_pid, run_id, modules = int(argv[0]), argv[1], argv[2:]
     watched: list[str] = []
@@ -298,16 +369,11 @@ def main(argv: list[str]) -> int:
     if directory is None:
         return 0
     lock_path, serve_path = socket_names(agent_pid, run_id, directory)
-    try:
-        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return 0
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(lock)
+    lock = _take_lock(lock_path)
+    if lock is None:
         return 0  # another zygote serves (or is getting ready to serve) this agent
     held = [lock]
+    sweep_stale(directory, keep=(lock_path, serve_path))
 
     def release(remove_lock: bool = False) -> None:
         """The names go (stale code, or the agent gone): a fresh zygote may take them."""

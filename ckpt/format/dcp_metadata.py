@@ -135,14 +135,20 @@ def check_metadata(metadata: Metadata, manifest: Manifest, *, url: str = "") -> 
         elif not isinstance(md, BytesStorageMetadata):
             raise _bad(url, f"{fqn!r} is described by a {type(md).__name__}")
     sizes = {e.path: e.size for e in manifest.files}
-    crcs = {
-        (path, offset): length
-        for path, items in manifest.chunks.items()
-        for offset, length, _crc in items
-    }
+    chunks = manifest.item_chunks()
+    crcs = {(path, offset): length for path, items in chunks.items() for offset, length, _ in items}
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         raise _bad(url, "storage_data is not a dict")
+    listed = sum(len(items) for items in chunks.values())
+    if listed != len(crcs) or listed > len(storage):
+        # Entries that back no item cost memory on every read of the manifest and check
+        # nothing: each one is an item's, once.
+        raise _bad(
+            url,
+            f"manifest.json lists {listed} item checksums ({len(crcs)} distinct places) for "
+            f"the {len(storage)} items .metadata stores: each entry is one item's",
+        )
     extents: dict[str, list[tuple[int, int, str]]] = {}
     chunk_bytes: dict[str, dict[tuple[int, ...], int]] = {}
     for index, info in storage.items():

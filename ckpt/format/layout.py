@@ -35,6 +35,27 @@ LEASE_RECORD_RE = re.compile(r"^OWNER\.(\d{10,40})$")
 
 _CHECKPOINT_DIR_RE = re.compile(r"^checkpoint_(\d{7,})$")
 _SHARD_RE = re.compile(r"^rank_\d{5,}\.distcp$")
+_STOCK_SHARD_RE = re.compile(r"^__\d+_\d+\.distcp$")
+STOCK_DCP_DIR_RE = re.compile(r"^step-(\d+)$")
+"""torchtitan's checkpoint directories (``step-30``), written by stock ``dcp.save``."""
+STOCK_DCP_REASON = (
+    "a stock DCP checkpoint (.metadata and __0_0.distcp files, no manifest.json or "
+    "COMPLETE: written by torch.distributed.checkpoint.save, not by this library): never "
+    "resumed or deleted; to continue from it, load it with torch.distributed.checkpoint."
+    "load into your state and save that once with ckpt.save (docs/adoption.md)"
+)
+
+
+def is_stock_dcp(names: object) -> bool:
+    """Whether the file names of a directory are those of a stock ``dcp.save`` (its
+    ``__<rank>_<n>.distcp`` shards and ``.metadata``, none of our records)."""
+    names = set(names)  # type: ignore[call-overload]
+    return (
+        DCP_METADATA_NAME in names
+        and MANIFEST_NAME not in names
+        and COMPLETE_NAME not in names
+        and any(isinstance(n, str) and _STOCK_SHARD_RE.match(n) for n in names)
+    )
 
 
 def checkpoint_dirname(step: int) -> str:

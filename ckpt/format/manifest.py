@@ -9,7 +9,7 @@ manifest.json, so a marker cannot vouch for a manifest it was not written for.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckpt.errors import CorruptCheckpointError
@@ -125,6 +125,22 @@ class Manifest:
     chunks: dict[str, list[list[Any]]] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    chunks_dropped: bool = False
+    """A listing's summary (:meth:`summary`): ``chunks`` left out, never read or loaded from."""
+
+    def summary(self) -> Manifest:
+        """This manifest without its per-item ``chunks``: what a listing keeps of each
+        checkpoint, so that a root of many (or padded) manifests is held one at a time."""
+        return replace(self, chunks={}, chunks_dropped=True)
+
+    def item_chunks(self) -> dict[str, list[list[Any]]]:
+        """``chunks`` for reading or verifying items; a summary has none to give."""
+        if self.chunks_dropped:
+            raise RuntimeError(
+                f"the manifest of step {self.step} is a listing's summary without its chunks: "
+                "read it again with Catalog.info(step) before loading or verifying"
+            )
+        return self.chunks
 
     @property
     def total_bytes(self) -> int:

@@ -577,7 +577,7 @@ class _ChunkSource:
         self._lock = threading.Lock()
         self._item_crcs = {
             (path, int(offset)): (int(length), str(crc))
-            for path, items in manifest.chunks.items()
+            for path, items in manifest.item_chunks().items()
             for offset, length, crc in items
         }
         self._file_crcs = {entry.path: entry.crc32c for entry in manifest.files}

@@ -36,12 +36,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckpt.errors import CorruptCheckpointError, ObjectNotFoundError, ObjectTooLargeError
+from ckpt.errors import (
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    StorageError,
+)
 from ckpt.format.layout import (
     COMPLETE_NAME,
     MANIFEST_NAME,
     QUARANTINE_MARKER_NAME,
+    STOCK_DCP_DIR_RE,
+    STOCK_DCP_REASON,
     checkpoint_dirname,
+    is_stock_dcp,
     parse_checkpoint_dirname,
 )
 from ckpt.format.manager_record import record_problems
@@ -143,6 +151,8 @@ def inspect_dir(storage: Storage, dirname: str) -> CheckpointInfo:
             return found(
                 QUARANTINED, f"quarantined (move to a .quarantined- name unfinished): {reason}"
             )
+        if _stock_dcp(storage, dirname):
+            return found(FOREIGN, STOCK_DCP_REASON)
         return partial("no COMPLETE marker (save interrupted or in progress)")
     try:
         marker = CompleteMarker.from_bytes(raw_marker, url=url)
@@ -210,6 +220,7 @@ class Catalog:
         self.storage = as_storage(root)
         self._entries = entries
         self._infos: dict[int, CheckpointInfo] = {}
+        self._marks: dict[int, tuple[str, str]] = {}
 
     @property
     def entries(self) -> list[tuple[str, str]]:
@@ -236,6 +247,9 @@ class Catalog:
         out = []
         for name, kind in sorted(self.entries, reverse=True):
             if kind == DIR:
+                if STOCK_DCP_DIR_RE.match(name) and _stock_dcp(self.storage, name):
+                    url = self.storage.url(name)
+                    out.append(ForeignEntry(name=name, url=url, kind=DIR, reason=STOCK_DCP_REASON))
                 continue
             if parse_checkpoint_dirname(name) is None and parse_quarantined_dirname(name) is None:
                 continue
@@ -254,19 +268,38 @@ class Catalog:
         """Whether the listing holds a directory for ``step``."""
         return step in self._infos or step in set(self.steps())
 
-    def info(self, step: int) -> CheckpointInfo:
-        """The checkpoint of ``step`` (COMPLETE and manifest.json read once, then kept)."""
-        if step not in self._infos:
-            self._infos[step] = inspect_dir(self.storage, checkpoint_dirname(step))
+    def info(self, step: int, *, chunks: bool = False) -> CheckpointInfo:
+        """The checkpoint of ``step`` (COMPLETE and manifest.json read once, then kept).
+
+        Only the checkpoint inspected last keeps its manifest's per-item ``chunks``; the
+        others keep a summary (:meth:`Manifest.summary`). A manifest may hold millions of
+        entries (about 1 GB parsed at the size limit, or padded by whoever can write to
+        the root): walking a root of many holds one at a time, not all of them.
+        ``chunks=True`` (to load or verify it): read it again if only its summary is left.
+        """
+        cached = self._infos.get(step)
+        manifest = cached.manifest if cached is not None else None
+        if cached is None or (chunks and manifest is not None and manifest.chunks_dropped):
+            self._drop_chunks()  # before parsing the next: one parsed manifest at a time
+            fresh = inspect_dir(self.storage, checkpoint_dirname(step))
+            mark = self._marks.get(step)
+            self._infos[step] = replace(fresh, status=mark[0], reason=mark[1]) if mark else fresh
         return self._infos[step]
 
+    def _drop_chunks(self) -> None:
+        for step, info in self._infos.items():
+            if info.manifest is not None and not info.manifest.chunks_dropped:
+                self._infos[step] = _summary(info)
+
     def __iter__(self) -> Iterator[CheckpointInfo]:
-        """Every checkpoint directory, newest first, inspected as the iteration reaches it."""
-        return (self.info(step) for step in self.steps())
+        """Every checkpoint directory, newest first, inspected as the iteration reaches it;
+        each as a summary (no per-item chunks: ``info(step, chunks=True)`` has them)."""
+        return (_summary(self.info(step)) for step in self.steps())
 
     def latest_committed(self) -> CheckpointInfo | None:
-        """The newest committed checkpoint, or None; reads only down to it."""
-        for info in self:
+        """The newest committed checkpoint (with its chunks), or None; reads only down to it."""
+        for step in self.steps():
+            info = self.info(step)
             if info.committed:
                 return info
             logger.debug("ckpt: skipping %s: %s", info.url, info.reason)
@@ -274,11 +307,34 @@ class Catalog:
 
     def mark(self, step: int, status: str, reason: str) -> None:
         """Record what this operation learned about ``step`` (quarantined, corrupt)."""
+        self._marks[step] = (status, reason)
         self._infos[step] = replace(self.info(step), status=status, reason=reason)
 
     def quarantined(self) -> list[QuarantinedCheckpoint]:
         """Checkpoints already moved aside under a ``.quarantined-`` name (newest first)."""
         return list_quarantined(self.storage, self.entries)
+
+
+def _stock_dcp(storage: Storage, dirname: str) -> bool:
+    """Whether ``dirname`` holds a checkpoint of stock ``dcp.save`` (listed; nothing read)."""
+    try:
+        return is_stock_dcp(storage.list_files(dirname))
+    except (OSError, StorageError):
+        return False
+
+
+def stock_dcp_names(catalog: Catalog) -> list[str]:
+    """Names of the stock DCP checkpoints under the catalog's root (``checkpoint_N`` or
+    torchtitan's ``step-N``), newest first: what a resume that finds nothing of ours names."""
+    names = [e.name for e in catalog.foreign() if e.reason == STOCK_DCP_REASON]
+    names += [i.dirname for i in catalog if i.reason == STOCK_DCP_REASON]
+    return names
+
+
+def _summary(info: CheckpointInfo) -> CheckpointInfo:
+    if info.manifest is None or info.manifest.chunks_dropped:
+        return info
+    return replace(info, manifest=info.manifest.summary())
 
 
 def list_checkpoints(

@@ -137,7 +137,7 @@ class ShardReader(StorageReader):
         self._metadata: Metadata | None = None
         self._item_crcs = {
             (path, int(offset)): (int(length), str(crc))
-            for path, items in manifest.chunks.items()
+            for path, items in manifest.item_chunks().items()
             for offset, length, crc in items
         }
 

@@ -357,7 +357,7 @@ def _verified_manifest(cat: Catalog, step: int) -> Manifest | None:
     A damaged commit (its manifest.json no longer the one COMPLETE vouches for) raises like
     a shard that fails its crc32c: reported, fallen back from and quarantined, never passed
     over in silence as a partial save would be."""
-    info = cat.info(step)
+    info = cat.info(step, chunks=True)
     if info.status == DAMAGED:
         raise CorruptCheckpointError(
             f"{info.url}: {info.reason}", url=info.url, path="manifest.json"

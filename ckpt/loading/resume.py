@@ -28,7 +28,8 @@ from ckpt.errors import (
     CheckpointShapeError,
     StateApplyError,
 )
-from ckpt.loading.discovery import REFUSED, Catalog
+from ckpt.format.layout import STOCK_DCP_REASON
+from ckpt.loading.discovery import REFUSED, Catalog, stock_dcp_names
 from ckpt.loading.restore import LoadResult, SkippedCheckpoint, refuse_only_quarantined, set_aside
 from ckpt.state import per_rank
 from ckpt.state.app_state import AppState, param_group_changes, shape_mismatch
@@ -155,7 +156,7 @@ class ResumeWalk:
         self._tier_choice(None, 0, scope)
         if self.this_job is None:
             refuse_only_quarantined(coll, catalog, self.root)  # damaged work is no fresh start
-        return self._nothing_to_resume(must)
+        return self._nothing_to_resume(must, catalog)
 
     def _of_this_job(self, head: DurableHead) -> bool:
         assert self.this_job is not None
@@ -326,18 +327,30 @@ class ResumeWalk:
                     )
                 )
 
-    def _nothing_to_resume(self, must: bool) -> None:
-        """A resume that found no committed checkpoint: an error with ``must``, else said."""
+    def _nothing_to_resume(self, must: bool, catalog: Catalog) -> None:
+        """A resume that found no committed checkpoint: an error with ``must``, else said
+        (naming the stock DCP checkpoints the root holds: a user of torchtitan or plain
+        ``dcp.save`` expects them to be resumed)."""
+        stock = ""
+        if must or self.rank == 0:
+            try:
+                names = stock_dcp_names(catalog)
+            except Exception:
+                names = []
+            if names:
+                more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+                shown = ", ".join(names[:3]) + more
+                stock = f"; it holds stock DCP checkpoints ({shown}): {STOCK_DCP_REASON}"
         if must:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint under {self.root} and resume is required "
-                "(must=True / --resume must); check the root, or resume only if one exists"
+                f"(must=True / --resume must); check the root, or resume only if one exists{stock}"
             )
         if self.rank == 0:
             note = self.fresh_start_note or (
                 f"no committed checkpoint under {self.root}: starting from step 0"
             )
-            logger.warning("rank 0: %s", note)
+            logger.warning("rank 0: %s%s", note, stock)
 
     def _tier_choice(self, tier: Tier | None, step: int, scope: ResumeScope) -> None:
         """The ``tier_choice`` event of a resume over several tiers: which tier (None:

@@ -181,7 +181,7 @@ def non_finite_tensors(ckpt_dir: Storage, manifest: Manifest) -> dict[str, tuple
     metadata = ShardReader(ckpt_dir, manifest).fetch_metadata()
     crcs = {
         (path, int(offset)): (int(length), str(crc))
-        for path, items in manifest.chunks.items()
+        for path, items in manifest.item_chunks().items()
         for offset, length, crc in items
     }
     found: dict[str, tuple[int, int]] = {}
