@@ -38,9 +38,11 @@ and back: a ``save_pretrained`` directory as the starting point of a sharded mod
         ckpt.load_pretrained(model, "./my-model")   # each rank reads its own shards
 
 Layout, manifest and commit rules: docs/design.md. ``python -m ckpt --help`` for the CLI.
-Only what a script needs is exported here; the parts behind it (``ckpt.storage.Storage``,
-``ckpt.format.manifest``, ``ckpt.lifecycle.retention.apply_retention``, the storage error subclasses in
-``ckpt.errors``) are importable from their modules.
+Only what a script needs is exported here: of the errors, the base
+:class:`CheckpointError` and those a script catches. The parts behind it
+(``ckpt.storage.Storage``, ``ckpt.format.manifest``,
+``ckpt.lifecycle.retention.apply_retention``, every other error in ``ckpt.errors``)
+are importable from their modules.
 """
 
 from __future__ import annotations
@@ -48,23 +50,14 @@ from __future__ import annotations
 from ckpt.errors import (
     CheckpointDirError,
     CheckpointError,
-    CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointShapeError,
     CorruptCheckpointError,
-    DataPositionError,
-    ExportError,
-    FencedError,
     NoLoadableCheckpointError,
     NonFiniteStateError,
-    RootChangedError,
     RootLeaseError,
-    SaveFailedError,
     StateMismatchError,
-    StateSpecError,
-    StorageError,
     TooManySaveFailuresError,
-    UnsupportedStateError,
 )
 from ckpt.interop.export import ExportResult, export
 from ckpt.interop.pretrained import PretrainedLoad, load_pretrained
@@ -82,20 +75,46 @@ from runcore.redact import install_log_redaction
 
 install_log_redaction()  # root URLs' credentials and a root's control characters, in every log line
 
+_MOVED_ERRORS = frozenset({
+    "CheckpointExistsError",
+    "DataPositionError",
+    "ExportError",
+    "FencedError",
+    "RootChangedError",
+    "SaveFailedError",
+    "StateSpecError",
+    "StorageError",
+    "UnsupportedStateError",
+})
+"""Errors once exported here that a script rarely catches: they live in ``ckpt.errors``
+(every one of them is a :class:`CheckpointError`)."""
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED_ERRORS:
+        import warnings
+
+        from ckpt import errors
+
+        warnings.warn(
+            f"ckpt.{name} is ckpt.errors.{name} (ckpt exports the errors a script catches: "
+            "CheckpointError and a few others)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(errors, name)
+    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+
 __all__ = [
     "CheckpointDirError",
     "CheckpointError",
-    "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointOptions",
     "CheckpointShapeError",
     "CorruptCheckpointError",
-    "DataPositionError",
-    "ExportError",
     "ExportResult",
-    "FencedError",
     "LoadResult",
     "NoLoadableCheckpointError",
     "NonFiniteStateError",
@@ -104,15 +123,10 @@ __all__ = [
     "PretrainedLoad",
     "ResumeInfo",
     "RetentionPolicy",
-    "RootChangedError",
     "RootLeaseError",
-    "SaveFailedError",
     "StateMismatchError",
-    "StateSpecError",
-    "StorageError",
     "StorageOptions",
     "TooManySaveFailuresError",
-    "UnsupportedStateError",
     "VerifyReport",
     "close",
     "export",

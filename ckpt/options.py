@@ -170,6 +170,20 @@ class CheckpointOptions:
         )
 
     @classmethod
+    def resolve(cls, options: object, kwargs: dict[str, Any]) -> CheckpointOptions:
+        """A manager's ``options=`` or its keyword arguments (not both), as its options."""
+        if options is None:
+            options = cls.from_kwargs(**kwargs)
+        elif not isinstance(options, CheckpointOptions):
+            raise ValueError(f"options must be a ckpt.CheckpointOptions, got {options!r}")
+        elif kwargs:
+            raise ValueError(
+                f"options= and the keyword argument(s) {', '.join(sorted(kwargs))} both "
+                "given: put every setting in the CheckpointOptions"
+            )
+        return options.options()
+
+    @classmethod
     def from_kwargs(cls, **kwargs: Any) -> CheckpointOptions:
         """The options of ``CheckpointManager``'s keyword arguments (``every=50, ...``).
 
@@ -218,3 +232,11 @@ def _retention_fields(policy: object) -> dict[str, int]:
             "(it protects the checkpoint it resumed from and clears dead attempts itself)"
         )
     return {"keep_last": policy.keep_last, "keep_every": policy.keep_every or 0}
+
+
+def option_view(name: str) -> property:
+    """A read-only attribute that reads ``self.options.<name>`` (the manager's ``every``,
+    ``async_save``, ... as they were before the options object)."""
+    return property(
+        lambda self: getattr(self.options, name), doc=f"``options.{name}`` (read-only)."
+    )

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import ckpt
+import ckpt.errors
 from ckpt.format.layout import DCP_METADATA_NAME
 from ckpt.storage import Storage, StorageOptions, faults
 from ckpt.storage.faults import StorageFault
@@ -321,7 +322,7 @@ def test_an_optimizer_saved_before_its_first_step_loads_into_a_fresh_one(tmp_roo
 
 def test_committed_checkpoint_is_never_overwritten(any_root):
     ckpt.save(make_state(1), any_root, 1)
-    with pytest.raises(ckpt.CheckpointExistsError, match="already committed"):
+    with pytest.raises(ckpt.errors.CheckpointExistsError, match="already committed"):
         ckpt.save(make_state(9), any_root, 1)
     loaded = blank_state()
     ckpt.load(loaded, any_root)
@@ -351,7 +352,7 @@ def test_older_attempt_is_fenced(any_root, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     ckpt.save(make_state(1), any_root, 10)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    with pytest.raises(ckpt.FencedError, match="older attempt"):
+    with pytest.raises(ckpt.errors.FencedError, match="older attempt"):
         ckpt.save(make_state(2), any_root, 11)
     assert ckpt.find_latest_committed(any_root).step == 10
 
@@ -588,3 +589,21 @@ def test_storage_options_never_print_their_credentials():
     options = StorageOptions(fs_kwargs={"key": "AKIAEXAMPLE", "secret": "s3cr3t-value"})
     assert "s3cr3t-value" not in repr(options) and "AKIAEXAMPLE" not in str(options)
     assert options.fs_kwargs["secret"] == "s3cr3t-value"  # still passed to the filesystem
+
+
+def test_ckpt_exports_the_base_error_and_those_a_script_catches():
+    import ckpt.errors
+
+    exported = {n for n in ckpt.__all__ if n.endswith("Error")}
+    assert exported == {
+        "CheckpointError", "CheckpointDirError", "CheckpointNotFoundError",
+        "CheckpointShapeError", "CorruptCheckpointError", "NoLoadableCheckpointError",
+        "NonFiniteStateError", "RootLeaseError", "StateMismatchError",
+        "TooManySaveFailuresError",
+    }  # fmt: skip
+    assert all(issubclass(getattr(ckpt, n), ckpt.CheckpointError) for n in exported)
+    # The others are ckpt.errors': the old names still resolve, with a DeprecationWarning.
+    with pytest.warns(DeprecationWarning, match="ckpt.FencedError is ckpt.errors.FencedError"):
+        assert ckpt.FencedError is ckpt.errors.FencedError
+    with pytest.raises(AttributeError, match="NoSuchError"):
+        ckpt.NoSuchError  # noqa: B018

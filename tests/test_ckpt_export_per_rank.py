@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import ckpt
+import ckpt.errors
 from ckpt.interop.export import export
 from testing.spawn import run_ok
 
@@ -100,7 +101,7 @@ def test_another_rank_or_the_mean_of_the_ranks_copies_on_request(saved, tmp_path
     for name in ("1.running_mean", "1.running_var"):
         expected = (states[0]["model"][name].double() + states[1]["model"][name].double()) / 2
         assert torch.equal(got[name], expected.float())
-    with pytest.raises(ckpt.ExportError, match="holds ranks 0, 1"):
+    with pytest.raises(ckpt.errors.ExportError, match="holds ranks 0, 1"):
         export(root, str(tmp_path / "r5"), rank=5)
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import ckpt
+import ckpt.errors
 from ckpt import cli, env
 from ckpt.format.layout import is_lease_name
 from ckpt.lifecycle import lease, ownership
@@ -111,7 +112,7 @@ def test_a_relaunch_of_the_same_job_takes_the_lease_over_at_once(any_root, held)
     first.acquire()
     requeued = held(any_root, job("slurm::12", run_id="12-1"))  # a fresh rendezvous id
     requeued.acquire()
-    with pytest.raises(ckpt.RootChangedError, match="taken over"):
+    with pytest.raises(ckpt.errors.RootChangedError, match="taken over"):
         first.check()  # the old attempt's saves stop here
     requeued.check()
 
@@ -159,7 +160,7 @@ def test_a_fresh_lease_left_by_a_process_that_ended_here_is_taken_over_at_once(
         relaunch.acquire()
     assert "no longer runs" in caplog.text and f"pid {child.pid}" in caplog.text
     assert relaunch.took_over == ["run:A"]
-    with pytest.raises(ckpt.RootChangedError, match="taken over"):
+    with pytest.raises(ckpt.errors.RootChangedError, match="taken over"):
         crashed.check()
 
 
@@ -254,7 +255,7 @@ def test_a_deleted_root_is_an_error_at_the_next_check_and_is_not_recreated(tmp_r
     holder = held(tmp_root, job("run:A"))
     holder.acquire()
     shutil.rmtree(tmp_root)
-    with pytest.raises(ckpt.RootChangedError, match="no longer exists"):
+    with pytest.raises(ckpt.errors.RootChangedError, match="no longer exists"):
         holder.check()
     holder.renew()
     assert not os.path.exists(tmp_root)
@@ -266,7 +267,7 @@ def test_a_root_deleted_and_recreated_is_not_the_root_this_job_leased(tmp_root, 
     shutil.rmtree(tmp_root)
     os.makedirs(tmp_root)
     # a new inode, or (ext4 reuses them) the same inode without this job's lease record
-    with pytest.raises(ckpt.RootChangedError, match=r"not the directory this job|deleted or rep"):
+    with pytest.raises(ckpt.errors.RootChangedError, match=r"not the directory this job|deleted or rep"):
         holder.check()
     assert os.listdir(tmp_root) == []
 

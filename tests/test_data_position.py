@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ckpt
+import ckpt.errors
 import elastic
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,7 +26,7 @@ def test_a_save_after_steps_without_advance_names_advance(tmp_path):
     sampler = elastic.ElasticSampler(100, 8, seed=1, rank=0, world_size=1)
     with _manager(str(tmp_path / "ckpt"), sampler, every=2) as manager:
         assert manager.resume() is None
-        with pytest.raises(ckpt.DataPositionError, match=r"sampler\.advance\(\)") as err:
+        with pytest.raises(ckpt.errors.DataPositionError, match=r"sampler\.advance\(\)") as err:
             for step in (1, 2):
                 manager.maybe_save(step)  # the loop forgot sampler.advance()
         assert "cursor stayed at 0" in str(err.value)
@@ -52,7 +53,7 @@ def test_advancing_saves_and_records_the_position_and_a_resume_checks_it(tmp_pat
     with _manager(root, again, every=2) as manager:
         assert manager.resume() == 4
         assert (again.cursor, again.consumed_digest) == (32, sampler.consumed_digest)
-        with pytest.raises(ckpt.DataPositionError):
+        with pytest.raises(ckpt.errors.DataPositionError):
             manager.maybe_save(6)  # steps 5, 6 without advance() after a resume
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from ckpt.format.layout import parse_checkpoint_dirname
+from ckpt.storage import Storage
 
 SIBLINGS_LISTED = 200
 """Entries of the root's parent looked at for roots with checkpoints (a typo's neighbours)."""
@@ -36,6 +37,14 @@ def local_root_state(path: str) -> tuple[bool, list[str]]:
     except OSError:
         return False, []
     return False, sorted(found)[:3]
+
+
+def root_facts(storage: Storage) -> tuple[bool | None, list[str]]:
+    """:func:`local_root_state` of a local root, taken before a resume's root check creates
+    it; ``(None, [])`` for an object store (a bucket prefix is never "created")."""
+    if storage.backend.scheme != "file":
+        return None, []
+    return local_root_state(storage.root_path)
 
 
 def _holds_checkpoints(path: str) -> bool:

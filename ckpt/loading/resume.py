@@ -69,6 +69,16 @@ class ResumeInfo:
     """The run id that wrote the checkpoint (said at WARNING when it is not this run's)."""
 
 
+def earlier_attempts(group: Any) -> tuple[str, int] | None:
+    """``(run id, job-wide restart count)`` when an earlier attempt of this job may have
+    written checkpoints (same ``TORCHELASTIC_RUN_ID``, a lower restart count: what
+    ``resume(this_job_only=True)`` loads); None on the first attempt. Collective (one
+    small all_gather: ranks restarted apart agree on the highest count)."""
+    run_id, local_restarts = env.run_identity()
+    restarts = max(_dist.Collective(group).all_gather(local_restarts))
+    return None if restarts == 0 else (run_id, restarts)
+
+
 class ResumeWalk:
     """One resume over ``tiers`` (collective: every rank walks the same candidates).
 

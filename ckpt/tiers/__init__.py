@@ -27,7 +27,7 @@ root, the commit of record (retention, the failure stop, emergency saves).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -162,3 +162,19 @@ TierBuilder = Callable[[TierContext], "Tier | None"]
 def manager_record(metadata: dict[str, Any]) -> dict[str, Any]:
     record = metadata.get(MANAGER_META_KEY, {})
     return record if isinstance(record, dict) else {}
+
+
+def build_tiers(builders: Sequence[TierBuilder], context: TierContext) -> list[Tier]:
+    """The tiers ``builders`` give (every rank, in order: a builder may be collective);
+    each with its own name, exactly one strict (the durable root), and it last."""
+    tiers = [tier for build in builders if (tier := build(context)) is not None]
+    names = [tier.name for tier in tiers]
+    strict = [tier.name for tier in tiers if tier.strict]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tiers: each tier needs its own name, got {names}")
+    if len(strict) != 1 or not tiers[-1].strict:
+        raise ValueError(
+            f"tiers: exactly one strict tier (the durable root), and last, got {names} "
+            f"with strict {strict}"
+        )
+    return tiers

@@ -34,6 +34,7 @@ from corpus import (
 )
 
 import ckpt
+import ckpt.errors
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format.dcp_metadata import decode_metadata
 
@@ -418,7 +419,7 @@ def test_values_a_resume_cannot_load_are_refused_at_save_before_anything_is_writ
 
     root = str(tmp_path / "root")
     for bad, kind in ((datetime.date(2026, 1, 1), "datetime.date"), (object(), "object")):
-        with pytest.raises(ckpt.UnsupportedStateError, match=rf"state\[extra\].*{kind}"):
+        with pytest.raises(ckpt.errors.UnsupportedStateError, match=rf"state\[extra\].*{kind}"):
             ckpt.save({"w": torch.ones(2), "extra": bad}, root, 1)
         assert not os.path.exists(root) or os.listdir(root) == []
 
