@@ -464,6 +464,32 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    from ckpt.interop.stock_dcp import import_stock_dcp
+
+    rename = {}
+    for pair in args.rename or []:
+        old, sep, new = pair.partition("=")
+        if not (sep and old and new):
+            raise ValueError(f"--rename {pair!r}: give OLD=NEW (top-level keys)")
+        rename[old] = new
+    print(f"importing {shown(args.source)} ...", file=sys.stderr)
+    result = import_stock_dcp(
+        args.source, args.root, step=args.step, rename=rename, progress=sys.stderr
+    )
+    storage, info = resolve(args.root, result.step)
+    assert info.manifest is not None
+    report = verify_dir(storage.child(info.dirname), info.manifest, mode=MODE_DEEP)
+    print(
+        f"imported {result.tensors} tensors ({human_bytes(result.tensor_bytes)}) and "
+        f"{result.values} values from {shown(args.source)} as step {result.step}: "
+        f"{shown(result.url)} ({'verified' if report.ok else 'VERIFY FAILED'})"
+    )
+    for key, why in result.left_out.items():
+        print(f"left out     {shown(key)}: {why}")
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ckpt",
@@ -608,6 +634,30 @@ def build_parser() -> argparse.ArgumentParser:
         "'module.' prefix and its n_averaged, so the export loads into the plain module)",
     )
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "import",
+        help="make a stock DCP checkpoint (torchtitan's step-N, a dcp.save directory) one of ours",
+        description="Read a checkpoint written by torch.distributed.checkpoint.save (.metadata "
+        "and __<rank>_<n>.distcp files, no manifest) in one process and save the state it holds "
+        "under ROOT with ckpt.save: a committed checkpoint (manifest, crc32c, COMPLETE), "
+        "verified, that loads on any world size, with the stock checkpoint's keys. Its bytes "
+        "are read as data (weights_only); a value that is not plain data is left out and "
+        "named. SOURCE is not changed.",
+    )
+    p.add_argument("source", help="the stock DCP directory (local, gs://, s3://)")
+    p.add_argument("root", help="the checkpoint root of ours to save it under")
+    p.add_argument(
+        "--step", type=int, help="the step to save it as (default: the one its name says)"
+    )
+    p.add_argument(
+        "--rename",
+        action="append",
+        metavar="OLD=NEW",
+        help="rename a top-level key (repeatable), e.g. optimizer=optim: the keys the "
+        "CheckpointManager that resumes it registers",
+    )
+    p.set_defaults(func=cmd_import)
     return parser
 
 

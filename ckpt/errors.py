@@ -173,6 +173,11 @@ class ExportError(CheckpointError):
     """The export cannot be done as asked (bad input, existing output, wrong checkpoint)."""
 
 
+class StockImportError(CheckpointError):
+    """A stock DCP checkpoint that ``python -m ckpt import`` cannot bring in as it is (not
+    one, no step, or items that are damaged or forged)."""
+
+
 class StateSpecError(TypeError, DeterministicError):
     """A value in the manager's state dict cannot be checkpointed as given (a ``TypeError``)."""
 

@@ -187,11 +187,11 @@ def test_stock_dcp_checkpoints_are_named_as_such_by_ls_and_by_the_fresh_start(
     said = _resume(str(root), caplog, monkeypatch)
     (line,) = [m for m in said if "no committed checkpoint" in m]
     assert "stock DCP checkpoints (step-40, checkpoint_0000030)" in line, line
-    assert "torch.distributed.checkpoint.load" in line and "ckpt.save" in line, line
+    assert "python -m ckpt import DIR ROOT" in line, line
     # Nothing of them was touched.
     assert sorted(os.listdir(root / "step-40")) == sorted(os.listdir(root / "checkpoint_0000030"))
 
-    # The way in that the message names (docs/adoption.md): dcp.load, then one save.
+    # The other way in (docs/adoption.md): dcp.load into the state, then one save.
     model = torch.nn.Linear(2, 2)
     loaded = {"model": model.state_dict()}
     dcp.load(loaded, checkpoint_id=str(root / "step-40"), no_dist=True)

@@ -124,16 +124,7 @@ def check_metadata(metadata: Metadata, manifest: Manifest, *, url: str = "") -> 
 
     Raises :class:`~ckpt.errors.CorruptCheckpointError` naming the first problem.
     """
-    sdm = metadata.state_dict_metadata
-    if not isinstance(sdm, dict):
-        raise _bad(url, "state_dict_metadata is not a dict")
-    for fqn, md in sdm.items():
-        if not isinstance(fqn, str):
-            raise _bad(url, f"a state key is a {type(fqn).__name__}, not a str")
-        if isinstance(md, TensorStorageMetadata):
-            _check_tensor(fqn, md, url)
-        elif not isinstance(md, BytesStorageMetadata):
-            raise _bad(url, f"{fqn!r} is described by a {type(md).__name__}")
+    sdm = check_state_items(metadata, url=url)
     sizes = {e.path: e.size for e in manifest.files}
     chunks = manifest.item_chunks()
     crcs = {(path, offset): length for path, items in chunks.items() for offset, length, _ in items}
@@ -214,6 +205,25 @@ def check_metadata(metadata: Metadata, manifest: Manifest, *, url: str = "") -> 
         raise _bad(url, "planner_data is not a map of state keys to key paths")
     if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
         raise _bad(url, "storage_meta is not DCP's StorageMeta")
+
+
+def check_state_items(metadata: Metadata, *, url: str = "") -> dict[str, Any]:
+    """Decoded ``metadata``'s state keys and what it says of each (a tensor: a dtype, a
+    shape and chunks inside it; else bytes), checked as data; its ``state_dict_metadata``.
+    Raises :class:`~ckpt.errors.CorruptCheckpointError` naming the first problem."""
+    sdm = metadata.state_dict_metadata
+    if not isinstance(sdm, dict):
+        raise _bad(url, "state_dict_metadata is not a dict")
+    for fqn, md in sdm.items():
+        if not isinstance(fqn, str):
+            raise _bad(url, f"a state key is a {type(fqn).__name__}, not a str")
+        if isinstance(md, TensorStorageMetadata):
+            _check_tensor(fqn, md, url)
+        elif not isinstance(md, BytesStorageMetadata):
+            raise _bad(url, f"{fqn!r} is described by a {type(md).__name__}")
+    if not isinstance(metadata.storage_data, dict):
+        raise _bad(url, "storage_data is not a dict")
+    return sdm
 
 
 def _check_tensor(fqn: str, md: TensorStorageMetadata, url: str) -> None:

@@ -41,8 +41,8 @@ STOCK_DCP_DIR_RE = re.compile(r"^step-(\d+)$")
 STOCK_DCP_REASON = (
     "a stock DCP checkpoint (.metadata and __0_0.distcp files, no manifest.json or "
     "COMPLETE: written by torch.distributed.checkpoint.save, not by this library): never "
-    "resumed or deleted; to continue from it, load it with torch.distributed.checkpoint."
-    "load into your state and save that once with ckpt.save (docs/adoption.md)"
+    "resumed or deleted; to continue from it, make it one of ours with `python -m ckpt "
+    "import DIR ROOT` (docs/adoption.md)"
 )
 
 
