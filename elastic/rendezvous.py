@@ -52,6 +52,7 @@ not resolve, within ``RESOLVE_GRACE_S`` (10 s).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -61,8 +62,10 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, TypeVar
 
 from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous.api import (
@@ -271,6 +274,32 @@ def _is_loopback(address: str) -> bool:
     return address.startswith("127.") or address == "::1"
 
 
+T = TypeVar("T")
+
+_STORE_FAILURES = (RuntimeError, OSError, TimeoutError)
+"""What a TCPStore call raises when its server went away (``DistNetworkError`` and
+``DistStoreError`` are RuntimeErrors); the rendezvous's own errors are not among them."""
+
+
+def _through_store(method: Callable[..., T]) -> Callable[..., T]:
+    """A handler method whose store failures are ``RendezvousConnectionError`` naming the
+    store, as torch's handler contract has it (its c10d backend does the same), not a raw
+    socket error from inside the store client."""
+
+    @functools.wraps(method)
+    def call(self: FtRendezvousHandler, *args: Any, **kwargs: Any) -> T:
+        try:
+            return method(self, *args, **kwargs)
+        except _STORE_FAILURES as exc:
+            raise RendezvousConnectionError(
+                f"the ft rendezvous store {self.store_address} failed during "
+                f"{method.__name__}: {exc}. Its host is gone or unreachable; a store run "
+                "in a process of its own outlives any agent (docs/launching.md)"
+            ) from exc
+
+    return call
+
+
 class FtRendezvousHandler(RendezvousHandler):
     """One agent's side of the ``ft`` rendezvous (see the module docstring)."""
 
@@ -324,12 +353,20 @@ class FtRendezvousHandler(RendezvousHandler):
         return self._run_id
 
     @property
+    def store_address(self) -> str:
+        """``host:port`` of the rendezvous store (what its messages name)."""
+        host, port = getattr(self._store, "host", None), getattr(self._store, "port", None)
+        return f"{host}:{port}" if host is not None else "(address unknown)"
+
+    @property
     def use_agent_store(self) -> bool:
         return False
 
+    @_through_store
     def is_closed(self) -> bool:
         return self._store.check([self._key(CLOSED)])
 
+    @_through_store
     def set_closed(self) -> None:
         self._store.set(self._key(CLOSED), "1")
         # Wake every node waiting in the open round: its result becomes "closed".
@@ -337,6 +374,7 @@ class FtRendezvousHandler(RendezvousHandler):
         for r in (rnd, rnd + 1):
             self._store.compare_set(self._rkey(r, "members"), "", CLOSED)
 
+    @_through_store
     def num_nodes_waiting(self) -> int:
         """Live nodes that joined the round after this node's (one request while none
         did; a joiner that died before the round closed is not counted)."""
@@ -361,6 +399,7 @@ class FtRendezvousHandler(RendezvousHandler):
             log.warning("ft rendezvous shutdown could not reach the store: %s", exc)
             return False
 
+    @_through_store
     def next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self.config.join_timeout
         self._start_heartbeat()

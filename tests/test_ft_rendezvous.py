@@ -395,3 +395,33 @@ def test_a_joiner_that_died_before_the_round_closed_is_never_rank_0(server, node
     infos = results(n.start([n.add(), n.add()]))
     assert {i.world_size for i in infos} == {3}  # still alive-looking when the round closed
     assert sorted(i.rank for i in infos)[0] == 0  # but rank 0 is one of the living
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_dies_after_the_round_is_a_connection_error_naming_it():
+    # torch's contract: the handler's calls raise RendezvousConnectionError when the
+    # store is gone (c10d's backend converts its store's errors the same way).
+    port = free_port()
+    serve = (
+        "import time\nfrom torch.distributed import TCPStore\n"
+        f"s = TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False, "
+        "multi_tenant=True)\nprint('up', flush=True)\ntime.sleep(120)\n"
+    )
+    host = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "up"
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+        handler = FtRendezvousHandler(
+            store, "job", 1, 1, config=FAST, local_addr="127.0.0.1", node_id="n0"
+        )
+        handler.next_rendezvous()
+        assert not handler.is_closed()
+    finally:
+        host.kill()
+        host.wait(10)
+    try:
+        for call in (handler.is_closed, handler.set_closed):
+            with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port} failed"):
+                call()
+    finally:
+        handler._stop_heartbeat()
