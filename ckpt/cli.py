@@ -475,7 +475,12 @@ def cmd_import(args: argparse.Namespace) -> int:
         rename[old] = new
     print(f"importing {shown(args.source)} ...", file=sys.stderr)
     result = import_stock_dcp(
-        args.source, args.root, step=args.step, rename=rename, progress=sys.stderr
+        args.source,
+        args.root,
+        step=args.step,
+        rename=rename,
+        model_key=args.model_key,
+        progress=sys.stderr,
     )
     storage, info = resolve(args.root, result.step)
     assert info.manifest is not None
@@ -656,6 +661,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OLD=NEW",
         help="rename a top-level key (repeatable), e.g. optimizer=optim: the keys the "
         "CheckpointManager that resumes it registers",
+    )
+    p.add_argument(
+        "--model-key",
+        metavar="KEY",
+        help="put the top-level tensors under KEY (torchtitan saves the model's state "
+        "flattened into the top level): --model-key model",
     )
     p.set_defaults(func=cmd_import)
     return parser

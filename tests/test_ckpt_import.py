@@ -180,3 +180,24 @@ def test_what_cannot_be_imported_is_refused_with_the_reason_and_nothing_committe
 
     code, out = _cli("import", _stock(tmp_path / "step-4"), root, "--rename", "nope")
     assert code == 2 and "OLD=NEW" in out, out
+
+
+def test_a_model_saved_flat_at_the_top_level_is_put_under_its_key(tmp_path):
+    # torchtitan's layout: the model's tensors at the top level, beside train_state.
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Linear(3, 2)
+    source = str(tmp_path / "step-12")
+    dcp.save(
+        {**model.state_dict(), "train_state": {"step": 12}}, checkpoint_id=source, no_dist=True
+    )
+    root = str(tmp_path / "ours")
+    code, out = _cli("import", source, root, "--model-key", "model")
+    assert code == 0, out
+    fresh = torch.nn.Linear(3, 2)
+    state = {"model": fresh, "train_state": {"step": 0}}
+    with ckpt.CheckpointManager(root, state) as manager:
+        assert manager.resume(must=True) == 12
+    assert torch.equal(fresh.weight, model.weight) and state["train_state"]["step"] == 12
+    code, out = _cli("import", source, str(tmp_path / "again"), "--model-key", "train_state")
+    assert code == 2 and "already has that key" in out, out

@@ -74,13 +74,16 @@ def import_stock_dcp(
     *,
     step: int | None = None,
     rename: dict[str, str] | None = None,
+    model_key: str | None = None,
     progress: TextIO | None = None,
 ) -> ImportResult:
     """Save the state the stock DCP checkpoint ``source`` holds as step ``step`` (default:
     the step its name says) of ``root``; one process, no process group needed.
 
     ``rename``: top-level keys to rename (``{"optimizer": "optim"}``), so the checkpoint
-    has the keys the manager that resumes it registers. ``progress``: a stream told
+    has the keys the manager that resumes it registers. ``model_key``: put the top-level
+    tensors under this key (torchtitan saves its model's state flattened into the top
+    level, beside ``optimizer`` and ``train_state``). ``progress``: a stream told
     how far the reading got, every few seconds (the CLI passes stderr).
     """
     src = Storage(source)
@@ -110,6 +113,13 @@ def import_stock_dcp(
     check_state_items(metadata, url=src.root_url)
     flat, result = _read_items(src, metadata, files, source, progress)
     state = _nest(flat, metadata.planner_data)
+    if model_key is not None:
+        loose = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+        if not loose:
+            raise StockImportError(f"--model-key {model_key}: {source} has no top-level tensors")
+        if model_key in state:
+            raise StockImportError(f"--model-key {model_key}: {source} already has that key")
+        state[model_key] = {k: state.pop(k) for k in loose}
     for old, new in (rename or {}).items():
         if old not in state:
             raise StockImportError(f"--rename {old}={new}: {source} has no top-level key {old!r}")
