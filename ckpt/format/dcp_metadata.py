@@ -46,6 +46,10 @@ from ckpt.format.manifest import Manifest
 MAX_METADATA_BYTES = 1 << 30
 """A ``.metadata`` above this is refused before it is read (50k tensors take ~10 MB)."""
 MAX_TENSOR_DIMS = 64
+MAX_ITEM_OVERHEAD = 64 << 10
+"""Bytes a tensor item may hold beyond its data: torch.save's zip records and pickle
+(about 1.5 KB measured, whatever the tensor's size). A stored length past declared bytes
+plus this is refused: the declared shape is tied to the bytes, both ways."""
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[tuple[str, str], Any] = {
@@ -182,6 +186,13 @@ def check_metadata(metadata: Metadata, manifest: Manifest, *, url: str = "") -> 
                     f"tensor item {index.fqn!r} at {list(index.offset or ())} declares "
                     f"{declared} bytes of data but is stored in {length}: a tensor is stored "
                     "dense (a strided or repeated one would be expanded on load)",
+                )
+            if length > declared + MAX_ITEM_OVERHEAD:
+                raise _bad(
+                    url,
+                    f"tensor item {index.fqn!r} at {list(index.offset or ())} declares "
+                    f"{declared} bytes of data but is stored in {length}: more than an item's "
+                    f"{MAX_ITEM_OVERHEAD} bytes of records beside its data",
                 )
     for path, items in extents.items():
         items.sort()

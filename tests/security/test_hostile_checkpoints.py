@@ -16,6 +16,8 @@ planted symbolic link counts as reading its target).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pickle
@@ -33,7 +35,7 @@ from corpus import (
     rewrite_manifest,
 )
 
-import ckpt
+import ckpt.cli
 import ckpt.errors
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format.dcp_metadata import decode_metadata
@@ -481,3 +483,25 @@ def test_a_shared_checkpoint_copied_with_shutil_keeps_working(tmp_path):
     ckpt.save(_state(3), root, 3)
     shutil.copytree(root, str(tmp_path / "b"))
     assert ckpt.load(_template(), str(tmp_path / "b")).step == 3
+
+
+def test_a_tensor_declared_smaller_than_its_stored_item_fails_verify_and_is_set_aside(tmp_path):
+    # Declared shapes are tied to the stored bytes both ways: a 400 KB item that its
+    # .metadata calls 10 x 100 floats (4 KB) is a forgery, not a tensor with a long header.
+    root = str(tmp_path / "root")
+    ckpt.save({"w": torch.ones(1000, 100), "step": 1}, root, 1)
+    ckpt.save({"w": torch.ones(1000, 100) * 2, "step": 2}, root, 2)
+    d = os.path.join(root, "checkpoint_0000002")
+    md = _metadata_of(d)
+    tensor = md.state_dict_metadata["w"]
+    tensor.size = torch.Size([10, 100])
+    for chunk in tensor.chunks:
+        chunk.sizes = torch.Size([10, 100])
+    plant_metadata(d, pickle.dumps(md))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = ckpt.cli.main(["verify", root, "--step", "2", "--deep"])
+    assert code == 1 and "is stored in" in out.getvalue(), out.getvalue()
+    state = {"w": torch.zeros(1000, 100), "step": -1}
+    result = ckpt.load(state, root)
+    assert result.step == 1 and [s.step for s in result.skipped] == [2]
