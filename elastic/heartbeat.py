@@ -400,7 +400,7 @@ class PeerHeartbeat:
         self.exit_code = exit_code
         self.exit_process = exit_process
         self.peers = list(watched_peers(rank, world_size) if peers is None else peers)
-        self._connect = connect or (lambda: tcp_store_client(address, min(2.0, self.timeout_s / 3)))
+        self._connect = connect or (lambda: tcp_store_client(address, self.store_timeout_s))
         self.startup_grace_s = startup_grace_s
         self.keep_running = keep_running
         """Checked before each round trip: False stops the detector as :meth:`stop` does
@@ -449,11 +449,24 @@ class PeerHeartbeat:
         )  # fmt: skip
         return self
 
+    @property
+    def store_timeout_s(self) -> float:
+        """Bound on one store call or connection attempt of the round-trip thread."""
+        return min(2.0, self.timeout_s / 3)
+
     def stop(self, timeout_s: float | None = None) -> None:
         """Stop both threads; the round-trip thread marks this rank as left on its way out
-        (best effort: a blocked store call is abandoned after ``timeout_s``)."""
+        (best effort: a blocked store call is abandoned after ``timeout_s``).
+
+        The default wait covers, up to 2 s, one reconnection to a store that is gone
+        (TCPStore's client tries twice with a pause between: about 3 x its timeout): a
+        thread left inside that C++ call when the interpreter exits aborts the process
+        ("terminate called without an active exception", exit -6) after a clean finish."""
         self._stop.set()
-        wait = max(1.0, 2 * self.interval_s) if timeout_s is None else timeout_s
+        if timeout_s is None:
+            reconnect = min(2.0, 4 * self.store_timeout_s + self.interval_s)
+            timeout_s = max(1.0, 2 * self.interval_s, reconnect)
+        wait = timeout_s
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(wait)
