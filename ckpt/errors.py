@@ -156,6 +156,11 @@ class RootLeaseError(CheckpointDirError):
     """Another job holds the root's owner lease: refused before any training (``ckpt.lifecycle.lease``)."""
 
 
+class RecordConflict(Exception):
+    """A conditional write or delete of a record lost: the record changed since it was
+    read (:class:`ckpt.storage.base.ConditionalRecord`); the caller reads it again."""
+
+
 class RootChangedError(SaveFailedError):
     """The root is no longer the one this job owns (deleted, replaced, unmounted, or its
     lease taken over): a save refuses to write there (``ckpt.lifecycle.lease``)."""

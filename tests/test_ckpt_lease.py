@@ -29,7 +29,9 @@ from ckpt.format.layout import is_lease_name
 from ckpt.lifecycle import lease, ownership
 from ckpt.lifecycle.retention import apply_retention
 from ckpt.loading.discovery import list_checkpoints
-from ckpt.storage import Storage, lease_store
+from ckpt.storage import Storage
+from ckpt.storage.gcs import GcsRecord
+from ckpt.storage.s3 import S3Record
 from testing import mounts
 
 pytestmark = pytest.mark.timeout(120)
@@ -219,7 +221,7 @@ def test_two_jobs_racing_for_an_expired_lease_never_both_win(tmp_root, held):
 
 @pytest.mark.parametrize(
     ("root_fixture", "kind"),
-    [("gcs_root", lease_store.GcsLeaseStore), ("s3_root", lease_store.S3LeaseStore)],
+    [("gcs_root", GcsRecord), ("s3_root", S3Record)],
 )
 def test_the_lease_on_an_object_store_is_a_compare_and_swap_on_the_objects_version(
     request, root_fixture, kind, held
@@ -229,12 +231,12 @@ def test_the_lease_on_an_object_store_is_a_compare_and_swap_on_the_objects_versi
     first.acquire()
     with pytest.raises(ckpt.RootLeaseError, match="run 'A'"):
         held(root, job("run:B")).acquire()
-    store = lease_store.store_for(Storage(root))
+    store = Storage(root).conditional_record("OWNER")
     assert isinstance(store, kind)
     raw, generation = store.read()
     assert lease.LeaseRecord.from_bytes(raw).run_id == "A" and generation
     first.renew()  # the object moved on: a write against the old version loses
-    with pytest.raises(lease_store.LeaseConflict):
+    with pytest.raises(ckpt.errors.RecordConflict):
         store.write(b"{}", generation)
     assert lease.LeaseRecord.from_bytes(store.read()[0]).token == first.token
     first.check()

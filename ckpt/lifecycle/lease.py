@@ -25,9 +25,12 @@ and keeps it:
   (no torchrun) names no job: every such process is a job of its own, so two jobs launched
   with ``none`` are two jobs, and a restart of such a job whose rank 0 died without
   releasing waits for the lease to expire;
-- every change of the record is a compare-and-swap (:mod:`ckpt.storage.lease_store`: on ``gs://``
-  ``ifGenerationMatch``, on a local or mounted filesystem ``link(2)`` to the next
-  generation's name), so two jobs taking over one expired lease cannot both win.
+- every change of the record is a compare-and-swap, the backend's own
+  (:class:`~ckpt.storage.base.ConditionalRecord`: on ``gs://`` ``ifGenerationMatch``, on
+  ``s3://`` ``If-Match``/``If-None-Match``, on a local or mounted filesystem ``link(2)`` to
+  the next generation's name), so two jobs taking over one expired lease cannot both win;
+  a backend without one is refused (:class:`~ckpt.errors.RootLeaseError`), never given a
+  lease two jobs could both take.
 
 The same record is the root's identity (:meth:`RootLease.check`, run by the coordinator
 before a save writes anything and again before COMPLETE): the record must still be this
@@ -63,13 +66,14 @@ from typing import Any
 from ckpt import env
 from ckpt.errors import (
     CheckpointError,
+    RecordConflict,
     RootChangedError,
     RootLeaseError,
 )
 from ckpt.format.layout import LEASE_NAME
-from ckpt.storage import Storage, lease_store
+from ckpt.storage import Storage
+from ckpt.storage.base import ConditionalRecord
 from ckpt.storage.faults import FaultRegistry
-from ckpt.storage.lease_store import LeaseConflict
 
 logger = logging.getLogger(__name__)
 
@@ -259,10 +263,22 @@ def _typed(data: dict[str, Any], key: str, kind: Any) -> Any:
 def read_lease(storage: Storage) -> LeaseRecord | None:
     """The root's lease record, or None (none, or not a record); for ``ckpt ls``."""
     try:
-        raw, _ = lease_store.store_for(_unfaulted(storage)).read()
+        record = storage.conditional_record(LEASE_NAME)
+        raw = None if record is None else record.read()[0]
         return None if raw is None else LeaseRecord.from_bytes(raw)
     except (OSError, ValueError, CheckpointError):
         return None
+
+
+def no_conditional_write(url: str, scheme: str) -> str:
+    """Why a root on a backend without a conditional write gets no owner lease."""
+    return (
+        f"checkpoint root {url!r}: its storage ({scheme}://) has no atomic conditional write, "
+        "which the root's owner lease needs (without one, two jobs could both take the root "
+        "and delete each other's checkpoints); nothing was written. Use a root on a local "
+        f"or mounted filesystem, gs:// or s3://, or run without a lease (lease_ttl_s=0, or "
+        f"{env.LEASE_TTL_S}=0) if nothing else can ever use this root"
+    )
 
 
 def _unfaulted(storage: Storage) -> Storage:
@@ -297,7 +313,7 @@ class RootLease:
         """Run ids whose lease this holder took over (an expired one, or an earlier run of
         this job under another run id): their saves in flight can never commit."""
         self._clock = clock
-        self._store = lease_store.store_for(self.storage)
+        self._record = self.storage.conditional_record(LEASE_NAME)
         self._lock = threading.RLock()
         self._version: Any = None
         self._acquired_at = 0.0
@@ -307,6 +323,12 @@ class RootLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._waited_record: LeaseRecord | None = None
+
+    @property
+    def _store(self) -> ConditionalRecord:
+        if self._record is None:
+            raise RootLeaseError(no_conditional_write(self.url, self.storage.backend.scheme))
+        return self._record
 
     @property
     def held(self) -> bool:
@@ -336,7 +358,7 @@ class RootLease:
                     return wait
                 try:
                     self._write(version, now, acquired=True)
-                except LeaseConflict:
+                except RecordConflict:
                     continue
                 self._said_taken(record, why_stale, now)
                 self._start_renewing()
@@ -507,7 +529,7 @@ class RootLease:
                 return
             try:
                 self._write(self._version, self._clock(), acquired=False)
-            except LeaseConflict:
+            except RecordConflict:
                 problem = self._problem()  # a write of ours whose answer was lost, or a takeover
                 if problem:
                     self._lose(problem)
@@ -553,7 +575,7 @@ class RootLease:
                 if not self._problem():
                     version = self._version
                     self._call("remove", lambda: self._store.delete(version))
-            except (LeaseConflict, OSError, CheckpointError) as exc:
+            except (RecordConflict, OSError, CheckpointError) as exc:
                 logger.debug("ckpt: %s: lease not released: %s", self.url, exc)
 
     # -- records -----------------------------------------------------------------------
@@ -588,7 +610,7 @@ class RootLease:
         def once() -> Any:
             try:
                 return fn()
-            except LeaseConflict as exc:
+            except RecordConflict as exc:
                 box["conflict"] = exc
                 return None
 

@@ -54,7 +54,7 @@ from ckpt.errors import (
 from ckpt.format.checksum import crc32c_of_chunks
 from ckpt.format.layout import join_url
 from ckpt.storage import faults
-from ckpt.storage.base import DIR, FILE, LINK, OTHER, Backend, Produce
+from ckpt.storage.base import DIR, FILE, LINK, OTHER, Backend, ConditionalRecord, Produce
 from ckpt.storage.registry import open_backend
 
 logger = logging.getLogger(__name__)
@@ -432,6 +432,13 @@ class Storage:
         """
         path = self.path(key)
         return self._call(f"list {self.url(key)}", "read", lambda: self.backend.list_files(path))
+
+    def conditional_record(self, key: str) -> ConditionalRecord | None:
+        """The record ``key`` with an atomic compare-and-swap (what the owner lease keeps),
+        or None where the backend has none (:class:`~ckpt.storage.base.ConditionalRecord`).
+        Each of its methods is one request: the caller times and retries them."""
+        make = getattr(self.backend, "conditional_record", None)
+        return None if make is None else make(self.path(key))
 
     def check_reachable(self) -> None:
         """Fail clearly if the root cannot exist: a missing bucket, a file where a

@@ -24,6 +24,12 @@ for refused credentials, an ``OSError`` with ``code`` 408/429/5xx, ``TimeoutErro
 ``ConnectionError`` for what a retry may cure. A backend translates its client's own
 exceptions into these (or raises :mod:`ckpt.errors` types itself).
 
+One optional method, ``conditional_record(path)``, gives what the root's owner lease
+(:mod:`ckpt.lifecycle.lease`) needs: one small record with a compare-and-swap
+(:class:`ConditionalRecord`). A backend that has no atomic conditional write leaves it out
+(or returns None): a job with a lease on such a root is refused with a clear error, never
+given a lease two jobs could both take.
+
 Which backend serves which URL scheme: :mod:`ckpt.storage.registry` (the registry).
 """
 
@@ -66,6 +72,35 @@ class Calls(Protocol):
     def body(self, buffers: list[memoryview | bytes]) -> list[memoryview | bytes]:
         """The buffers an upload sends: as given, or cut by an armed ``truncate`` fault
         (call inside ``call``)."""
+        ...
+
+
+class ConditionalRecord(Protocol):
+    """One small record (the root's owner lease) with a compare-and-swap; ``version`` is
+    opaque (a generation, an ETag). Writes and deletes are atomic between processes and
+    hosts: of two writers from one version exactly one wins."""
+
+    def read(self) -> tuple[bytes | None, Any]:
+        """The record's bytes (None: there is none) and its version."""
+        ...
+
+    def write(self, data: bytes, version: Any) -> Any:
+        """Write if the record is still at ``version`` (the version :meth:`read` gave for
+        no record: only if there is none); the new version, or
+        :class:`~ckpt.errors.RecordConflict`."""
+        ...
+
+    def delete(self, version: Any) -> None:
+        """Remove the record if it is still at ``version`` (else leave it)."""
+        ...
+
+    def root_identity(self) -> Any:
+        """What identifies the directory holding the record (local: device and inode), or
+        None where there is no such thing (an object store)."""
+        ...
+
+    def prepare(self) -> None:
+        """Make the directory the record lives in exist, where there are directories."""
         ...
 
 
@@ -156,3 +191,9 @@ class Backend(Protocol):
     def move_tree(self, src: str, dst: str, calls: Calls) -> None:
         """Move ``src`` and everything below it to ``dst`` (which must not exist)."""
         ...
+
+    # -- optional -------------------------------------------------------------------------
+    #
+    # def conditional_record(self, path: str) -> ConditionalRecord | None:
+    #     """The record at ``path`` with an atomic compare-and-swap; None (or no such
+    #     method) where the store has none: the owner lease then refuses the root."""

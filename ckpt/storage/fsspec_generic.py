@@ -2,18 +2,23 @@
 
 Writes stream into ``fs.open(path, "wb")`` and are checked against ``fs.info`` (size,
 and crc32c where the filesystem reports one); reads are ``cat_file`` with an explicit
-range (no prefetching cache); a move copies every object, then deletes the source.
+range (no prefetching cache); a move copies every object, then deletes the source. Only
+an in-memory filesystem has a conditional record (:class:`InProcessRecord`): the owner
+lease refuses any other root served here.
 The local, GCS and S3 backends build on it and replace what their store does better.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
 
-from ckpt.errors import ObjectNotFoundError, WriteVerificationError
+from ckpt.errors import ObjectNotFoundError, RecordConflict, WriteVerificationError
 from ckpt.format.checksum import ChecksummingWriter
+from ckpt.format.manifest import MAX_MARKER_BYTES
 from ckpt.storage.base import DIR, FILE, Calls, Produce
 
 
@@ -152,6 +157,12 @@ class FsspecBackend:
         except FileNotFoundError:
             pass
 
+    def conditional_record(self, path: str) -> InProcessRecord | None:
+        """An in-memory filesystem lives in this process, where a lock makes a check and a
+        write one step; any other fsspec filesystem has no conditional write here: None
+        (a job with an owner lease on it is refused)."""
+        return InProcessRecord(self.fs, path) if isinstance(self.fs, MemoryFileSystem) else None
+
     def copy(self, src: str, dst: str) -> None:
         """Copy one object (one request; what :meth:`move_tree` does per object)."""
         self.fs.copy(src, dst)
@@ -169,3 +180,42 @@ class FsspecBackend:
                 lambda s=source, t=target: self.copy(s, t),
             )
         calls.call(f"delete {self.url(src)}/", "any", lambda: self.remove_tree(src))
+
+
+class InProcessRecord:
+    """A :class:`~ckpt.storage.base.ConditionalRecord` on a filesystem that lives in this
+    process (``memory://``): checked, then written, under one lock; the version is the
+    record's bytes."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
+        self.fs, self.path = fs, path
+
+    def read(self) -> tuple[bytes | None, Any]:
+        try:
+            raw = bytes(self.fs.cat_file(self.path)[: MAX_MARKER_BYTES + 1])
+        except FileNotFoundError:
+            return None, b""
+        return raw, raw
+
+    def write(self, data: bytes, version: Any) -> Any:
+        with self._lock:
+            current, _ = self.read()
+            if (current or b"") != version:
+                raise RecordConflict()
+            self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.pipe_file(self.path, data)
+        return data
+
+    def delete(self, version: Any) -> None:
+        with self._lock:
+            current, _ = self.read()
+            if current == version:
+                self.fs.rm_file(self.path)
+
+    def root_identity(self) -> Any:
+        return None
+
+    def prepare(self) -> None:
+        pass

@@ -20,7 +20,9 @@ from typing import Any
 import fsspec
 
 from ckpt import env as _env
-from ckpt.storage.gcs_parts import GcsTransfer, GcsTransferOptions
+from ckpt.errors import RecordConflict
+from ckpt.format.manifest import MAX_MARKER_BYTES
+from ckpt.storage.gcs_parts import GcsHttpError, GcsTransfer, GcsTransferOptions
 from ckpt.storage.parts import TransferBackend, transfer_options
 
 
@@ -40,3 +42,40 @@ class GcsBackend(TransferBackend):
         fs, path = fsspec.core.url_to_fs(url, **kwargs)
         tuning = transfer_options(options, GcsTransferOptions, url, fallback=options.gcs)
         return cls(fs, options, GcsTransfer(fs, tuning, options.timeout_s)), path
+
+    def conditional_record(self, path: str) -> GcsRecord:
+        return GcsRecord(self.transfer.client, path)
+
+
+class GcsRecord:
+    """A :class:`~ckpt.storage.base.ConditionalRecord` on GCS: one object written by a
+    multipart upload with ``ifGenerationMatch`` (0: only if absent), removed with the same
+    precondition; the version is the object's generation."""
+
+    def __init__(self, client: Any, path: str) -> None:
+        self.client = client  # the backend's JSON API client
+        self.bucket, _, self.name = path.strip("/").partition("/")
+
+    def read(self) -> tuple[bytes | None, Any]:
+        try:
+            return self.client.get_with_generation(self.bucket, self.name, MAX_MARKER_BYTES)
+        except FileNotFoundError:
+            return None, 0
+
+    def write(self, data: bytes, version: Any) -> Any:
+        try:
+            resource = self.client.upload_if_generation(self.bucket, self.name, data, int(version))
+        except GcsHttpError as exc:
+            if exc.code == 412:
+                raise RecordConflict() from None
+            raise
+        return int(resource.get("generation", 0))
+
+    def delete(self, version: Any) -> None:
+        self.client.delete_if_generation(self.bucket, self.name, int(version))
+
+    def root_identity(self) -> Any:
+        return None
+
+    def prepare(self) -> None:
+        pass

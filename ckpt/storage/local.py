@@ -11,6 +11,7 @@ What a local disk gives that object stores do not, and what it needs:
   :data:`~ckpt.storage.base.LINK` and never followed (it may point outside the root),
   anything not a file or directory as :data:`~ckpt.storage.base.OTHER`.
 - A move is one ``rename`` (atomic).
+- The owner lease's record: generations made by ``link(2)`` (:class:`LocalRecord`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,19 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import shutil
 import stat
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from ckpt.errors import StorageFullError
+from ckpt.errors import RecordConflict, RootLeaseError, StorageError, StorageFullError
 from ckpt.format.checksum import ChecksummingWriter
+from ckpt.format.manifest import MAX_MARKER_BYTES
 from ckpt.storage.base import DIR, FILE, LINK, OTHER, Calls, Produce
 from ckpt.storage.fsspec_generic import FsspecBackend
 
@@ -170,6 +174,9 @@ class LocalBackend(FsspecBackend):
             )
         return None
 
+    def conditional_record(self, path: str) -> LocalRecord:
+        return LocalRecord(path)
+
     def move_tree(self, src: str, dst: str, calls: Calls) -> None:
         calls.call(f"rename {src} -> {dst}", "any", lambda: os.rename(src, dst))
 
@@ -288,3 +295,132 @@ def _fsync(handle: Any) -> None:
             continue
         except Exception:  # io.UnsupportedOperation and friends
             continue
+
+
+# -- the owner lease's record ---------------------------------------------------------
+
+
+def _not_a_record(path: str, what: str) -> str:
+    return (
+        f"{path} is named like the root's owner lease record but is {what}: this library "
+        "did not write it and will not read or remove it; remove it by hand, then relaunch"
+    )
+
+
+def _read_regular(path: str) -> bytes:
+    """A local record's bytes (at most one past :data:`MAX_MARKER_BYTES`): it must be a
+    regular file, opened without following a link or blocking (a FIFO named like a
+    record would hang the reader), else :class:`~ckpt.errors.RootLeaseError` saying so."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RootLeaseError(_not_a_record(path, "a symbolic link")) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RootLeaseError(
+                _not_a_record(path, "not a regular file (a FIFO, device or directory)")
+            )
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read(MAX_MARKER_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
+class LocalRecord:
+    """A :class:`~ckpt.storage.base.ConditionalRecord` on a local (or mounted) filesystem,
+    NFS and gcsfuse included: generations ``NAME.<generation>`` beside each other. A write
+    publishes a complete temporary file under the next generation's name with ``link(2)``,
+    which fails when the name exists (NFS too), so of two writers from one generation
+    exactly one wins; the highest generation is the record; older ones are removed by the
+    winner. Without hard links (gcsfuse) the name is created with ``O_EXCL`` instead."""
+
+    def __init__(self, path: str) -> None:
+        self.dir, self.name = os.path.split(path)
+        self._generation_re = re.compile(rf"^{re.escape(self.name)}\.(\d{{10,40}})$")
+        self._tmp_prefix = f".{self.name}.tmp-"
+
+    def _generations(self) -> list[tuple[int, str]]:
+        """``(generation, name)`` of every record, newest first (names as they are: one
+        made by hand may have more leading zeros than ours)."""
+        return sorted(
+            (
+                (int(m.group(1)), n)
+                for n in os.listdir(self.dir)
+                if (m := self._generation_re.match(n))
+            ),
+            reverse=True,
+        )
+
+    def read(self) -> tuple[bytes | None, Any]:
+        for _ in range(5):  # a newer writer may delete the record we just listed
+            generations = self._generations()
+            if not generations:
+                return None, 0
+            generation, name = generations[0]
+            try:
+                return _read_regular(os.path.join(self.dir, name)), generation
+            except FileNotFoundError:
+                continue
+        raise StorageError(f"{self.dir}: the record {self.name} kept changing while read")
+
+    def write(self, data: bytes, version: Any) -> Any:
+        new = int(version) + 1
+        final = os.path.join(self.dir, f"{self.name}.{new:010d}")
+        tmp = os.path.join(self.dir, f"{self._tmp_prefix}{uuid.uuid4().hex}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            try:
+                os.link(tmp, final)  # fails if the name exists: the compare-and-swap
+            except FileExistsError:
+                raise RecordConflict() from None
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                    raise
+                self._create_exclusive(final, data)  # no hard links (gcsfuse)
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        for old, name in self._generations():
+            if old < new:
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except FileNotFoundError:
+                    pass
+        fsync_dir(self.dir)
+        return new
+
+    def delete(self, version: Any) -> None:
+        # a newer generation (someone else's) has another number: never removed here
+        for generation, name in self._generations():
+            if generation == int(version):
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except FileNotFoundError:
+                    pass
+        fsync_dir(self.dir)
+
+    @staticmethod
+    def _create_exclusive(path: str, data: bytes) -> None:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise RecordConflict() from None
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def root_identity(self) -> Any:
+        st = os.stat(self.dir)
+        return st.st_dev, st.st_ino
+
+    def prepare(self) -> None:
+        os.makedirs(self.dir, exist_ok=True)  # a root is created once, at the start of its job

@@ -8,7 +8,9 @@ scheme is opened. A scheme not listed goes to the generic fsspec backend
 (``memory://``, ``ckptmem://`` and any filesystem fsspec knows).
 
 Adding a backend is one module with a class that has ``open(url, options)`` and the
-:class:`~ckpt.storage.base.Backend` methods, and one line below.
+:class:`~ckpt.storage.base.Backend` methods (``conditional_record`` too, for the root's
+owner lease: without it a job with a lease is refused on that backend), and one line
+below; ``tests/test_storage_backend_contract.py`` adds one that way.
 """
 
 from __future__ import annotations

@@ -55,8 +55,14 @@ from typing import Any
 import fsspec
 
 from ckpt.defaults import process_defaults
-from ckpt.errors import ObjectNotFoundError, StoragePermanentError, WriteVerificationError
+from ckpt.errors import (
+    ObjectNotFoundError,
+    RecordConflict,
+    StoragePermanentError,
+    WriteVerificationError,
+)
 from ckpt.format.checksum import ChecksummingWriter, encode_crc32c
+from ckpt.format.manifest import MAX_MARKER_BYTES
 from ckpt.storage.base import Calls
 from ckpt.storage.parts import (
     ParallelTransfer,
@@ -637,6 +643,9 @@ class S3Backend(TransferBackend):
         with translated(self.url(path)):
             super().remove_tree(path)
 
+    def conditional_record(self, path: str) -> S3Record:
+        return S3Record(self.transfer.client.client, path, self.url(path))
+
     def copy(self, src: str, dst: str) -> None:
         with translated(self.url(src)):
             super().copy(src, dst)
@@ -648,3 +657,53 @@ def split(path: str) -> tuple[str, str]:
     if not key:
         raise StoragePermanentError(f"s3://{path}: not an object path (bucket/key expected)")
     return bucket, key
+
+
+class S3Record:
+    """A :class:`~ckpt.storage.base.ConditionalRecord` on S3: one object written with
+    ``If-None-Match: *`` (absent) or ``If-Match: ETag`` (S3's conditional writes), removed
+    with ``If-Match``; the version is the ETag."""
+
+    def __init__(self, client: Any, path: str, url: str) -> None:
+        self.client = client  # the backend's botocore client
+        self.bucket, _, self.key = path.strip("/").partition("/")
+        self.url = url
+
+    def read(self) -> tuple[bytes | None, Any]:
+        try:
+            with translated(self.url):
+                answer = self.client.get_object(Bucket=self.bucket, Key=self.key)
+                return answer["Body"].read(MAX_MARKER_BYTES + 1), answer["ETag"]
+        except FileNotFoundError:
+            return None, ""
+
+    def write(self, data: bytes, version: Any) -> Any:
+        condition = {"IfMatch": version} if version else {"IfNoneMatch": "*"}
+        try:
+            with translated(self.url):
+                answer = self.client.put_object(
+                    Bucket=self.bucket, Key=self.key, Body=data, **condition
+                )
+        except (S3Error, FileNotFoundError) as exc:
+            # 412: the record moved on (or appeared); 409: a concurrent conditional write
+            # won; 404: the record we read is gone.
+            if isinstance(exc, FileNotFoundError) or exc.code in (409, 412):
+                raise RecordConflict() from None
+            raise
+        return answer["ETag"]
+
+    def delete(self, version: Any) -> None:
+        try:
+            with translated(self.url):
+                self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=version)
+        except FileNotFoundError:
+            pass
+        except S3Error as exc:
+            if exc.code != 412:  # another version: someone else's, left as it is
+                raise
+
+    def root_identity(self) -> Any:
+        return None
+
+    def prepare(self) -> None:
+        pass
