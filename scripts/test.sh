@@ -26,11 +26,12 @@ if [ $# -gt 0 ] || [ "${TEST_SPLIT:-1}" = 0 ]; then
 fi
 # Two pytest processes side by side (~2/3 of the time is the e2e scenarios, which mostly
 # wait on timeouts, detection and process starts): A runs these e2e files, B the other
-# e2e files and every other test. A's output follows B's. elastic, warmstart and startup share
-# the session's uninterrupted reference run, so they stay together.
+# e2e files and every other test; the network-namespace scenarios go with A to even out the halves.
+# A's output follows B's. elastic, warmstart and startup share the session's uninterrupted
+# reference run, so they stay together.
 A=(tests/e2e/test_elastic_e2e.py tests/e2e/test_warmstart_e2e.py tests/e2e/test_slurm_e2e.py
     tests/e2e/test_retention_e2e.py tests/e2e/test_quarantine_e2e.py tests/e2e/test_dropout_e2e.py
-    tests/e2e/test_startup_e2e.py)
+    tests/e2e/test_startup_e2e.py tests/e2e/test_netns_e2e.py)
 log=$(mktemp "${TMPDIR:-/tmp}/tests-a.XXXXXX")
 set -m  # A in its own process group: an interrupt reaches it through the trap below
 "${PYTEST[@]}" --durations=20 "${A[@]}" >"$log" 2>&1 &
