@@ -384,7 +384,7 @@ class CheckpointManager:
             except BaseException as exc:  # the other tiers and the lease are closed first
                 failure = failure or exc
         self._loop.closing(self.last_committed_step)
-        self._group = self._saves.group = None
+        self._group = self._saves.session.process_group = None
         if self.lease is not None:
             self.lease.close()  # released: the next job on this root starts at once
         if failure is not None:

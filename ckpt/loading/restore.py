@@ -44,8 +44,7 @@ from ckpt.lifecycle.quarantine import should_quarantine
 from ckpt.loading.discovery import CORRUPT, DAMAGED, QUARANTINED, Catalog
 from ckpt.loading.reader import SafeLoadPlanner, ShardReader
 from ckpt.loading.verify import verify_dir
-from ckpt.saving import async_save as _async
-from ckpt.saving.commit import EventSink
+from ckpt.saving.session import EventSink, Session, default_session
 from ckpt.state.state_check import LoadableState
 from ckpt.storage import Storage, StorageOptions
 from runcore import events as ev
@@ -92,8 +91,6 @@ def load(
     storage_options: StorageOptions | None = None,
     quarantine: bool = True,
     catalog: Catalog | None = None,
-    _saver: _async.AsyncSaver | None = None,
-    _partial_template: bool = False,
 ) -> LoadResult | None:
     """Load ``state`` in place from the newest committed checkpoint under ``root``.
 
@@ -116,17 +113,42 @@ def load(
     takes the checkpoint's state; its bare ``state_dict()`` has no place for that state.
     Values the checkpoint holds under a key of ``state`` that ``state`` has no place for
     are not loaded: they are listed in :attr:`LoadResult.not_loaded` and said at WARNING.
-    ``_partial_template``: the manager's tiers, whose templates leave out on purpose
-    what is not this rank's (other ranks' RNG state), skip that check.
     """
+    return load_in(
+        default_session(
+            process_group=process_group, storage_options=storage_options, on_event=on_event
+        ),
+        state,
+        root,
+        step=step,
+        missing_ok=missing_ok,
+        quarantine=quarantine,
+        catalog=catalog,
+    )
+
+
+def load_in(
+    session: Session,
+    state: dict[str, Any],
+    root: str,
+    *,
+    step: int | None = None,
+    missing_ok: bool = False,
+    quarantine: bool = True,
+    catalog: Catalog | None = None,
+) -> LoadResult | None:
+    """:func:`load` in ``session`` (its saver, process group, storage options, events;
+    with ``session.partial_templates``, keys a template has no place for are not listed
+    as not loaded)."""
     if not isinstance(root, str):
         raise TypeError(f"root must be a str URL, got {type(root).__name__}")
     # A save still uploading in the background uses the same checkpoint group: finish it
     # first (and surface its error) so the two protocols never interleave.
-    (_async.default_saver() if _saver is None else _saver).wait_for_previous()
+    session.saver.wait_for_previous()
+    on_event = session.on_event
     started = time.monotonic()
-    coll = Collective(process_group)
-    storage = Storage(root, storage_options)
+    coll = Collective(session.process_group)
+    storage = Storage(root, session.storage_options)
     storage.faults.rank = coll.rank
     storage.faults.step = None
 
@@ -167,7 +189,7 @@ def load(
             )
             stored = reader.read_metadata().state_dict_metadata
             loadable.make_room(stored)
-            not_loaded = [] if _partial_template else loadable.not_loaded(stored)
+            not_loaded = [] if session.partial_templates else loadable.not_loaded(stored)
             _dcp_load(loadable.plain, reader, coll)
         except StateMismatchError:
             raise

@@ -60,6 +60,7 @@ from ckpt.lifecycle.retention import RetentionPolicy, apply_retention, set_aside
 from ckpt.loading.discovery import PARTIAL, SET_ASIDE, Catalog, inspect_dir
 from ckpt.saving import async_save as _async
 from ckpt.saving import finite
+from ckpt.saving.session import EventSink, Session, default_session
 from ckpt.saving.writer import BlockSavePlanner, ShardWriter
 from ckpt.state.state_check import checked_state
 from ckpt.storage import Storage, StorageOptions
@@ -70,7 +71,6 @@ logger = logging.getLogger(__name__)
 ENV_RUN_ID = env.RUN_ID
 ENV_RESTART_COUNT = env.RESTART_COUNT
 
-EventSink = Callable[[dict[str, Any]], None]
 
 
 def utc_now() -> str:
@@ -119,7 +119,6 @@ def save(
     overlap_staging: Any = None,
     allow_non_finite: bool | Sequence[str] = False,
     root_guard: Callable[[], None] | None = None,
-    _saver: _async.AsyncSaver | None = None,
 ) -> str | _async.PendingSave:
     """Write and commit ``root/checkpoint_{step:07d}/``; return its URL.
 
@@ -163,6 +162,36 @@ def save(
     in every case on every rank, and with no COMPLETE written (for an async save:
     at ``wait()``, at the next save, or at ``close()``).
     """
+    return save_in(
+        default_session(
+            process_group=process_group, storage_options=storage_options, on_event=on_event
+        ),
+        state,
+        root,
+        step,
+        metadata=metadata,
+        retention=retention,
+        async_save=async_save,
+        overlap_staging=overlap_staging,
+        allow_non_finite=allow_non_finite,
+        root_guard=root_guard,
+    )
+
+
+def save_in(
+    session: Session,
+    state: dict[str, Any],
+    root: str,
+    step: int,
+    *,
+    metadata: dict[str, Any] | None = None,
+    retention: RetentionPolicy | None = None,
+    async_save: bool = False,
+    overlap_staging: Any = None,
+    allow_non_finite: bool | Sequence[str] = False,
+    root_guard: Callable[[], None] | None = None,
+) -> str | _async.PendingSave:
+    """:func:`save` in ``session`` (its saver, process group, storage options, events)."""
     if not isinstance(root, str):
         raise TypeError(f"root must be a str URL, got {type(root).__name__}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -175,15 +204,13 @@ def save(
         state, state_error = checked_state(state), ""
     except UnsupportedStateError as exc:
         state, state_error = {}, str(exc)
-    saver = (
-        _async.default_saver() if _saver is None else _saver
-    )  # a CheckpointManager passes its own
+    saver = session.saver
     saver.wait_for_previous(step)
     started = time.monotonic()
     # In the caller's thread: creating the checkpoint group is itself a collective,
     # which must not race with training collectives from a background thread.
-    coll = Collective(process_group)
-    storage = Storage(root, storage_options)
+    coll = Collective(session.process_group)
+    storage = Storage(root, session.storage_options)
     url = storage.child(checkpoint_dirname(step)).root_url
     # An async save's metadata is read later: copy it before the caller can change it.
     meta = copy.deepcopy(metadata) if async_save else metadata
@@ -195,7 +222,7 @@ def save(
             storage=storage,
             step=step,
             metadata=meta,
-            on_event=on_event,
+            on_event=session.on_event,
             retention=retention,
             started=started,
             blocking_s=blocking_s,

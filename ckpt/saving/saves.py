@@ -37,7 +37,8 @@ from ckpt.errors import (
 from ckpt.format.layout import checkpoint_dirname
 from ckpt.lifecycle.retention import RetentionPolicy
 from ckpt.saving import async_save as _async
-from ckpt.saving.commit import save as _save
+from ckpt.saving.commit import save_in
+from ckpt.saving.session import Session
 from ckpt.state.app_state import AppState
 from ckpt.state.capture import Captured, StateCapture
 from ckpt.storage import Storage, StorageOptions
@@ -160,14 +161,19 @@ class DurableSaves:
         """Run by the coordinator before a save writes (the root's owner lease)."""
         self._app = app
         self._capture = capture
-        self.storage_options = storage_options
-        self.group = group
+        self.session = Session(
+            saver=_async.AsyncSaver(),
+            process_group=group,
+            storage_options=storage_options,
+            partial_templates=True,
+        )
+        """What every tier's saves and loads run under: the manager's saver (its staging
+        buffers and the save in flight; the loads reuse its buffers too), checkpoint group
+        and storage options; its tiers' load templates are partial on purpose."""
         self.retention = retention
         self.failures = failures
         self.sink = sink
         self.rank = rank
-        self.saver = _async.AsyncSaver()
-        """The staging buffers and the save in flight (the loads reuse its buffers too)."""
         self.last_save_s: float | None = None
         self.last_committed_step: int | None = None
         self._in_flight: dict[int, dict[str, Any]] = {}
@@ -192,20 +198,17 @@ class DurableSaves:
         extra = {"emergency": True} if emergency else {}
         background = not blocking
         try:
-            result = _save(
+            result = save_in(
+                self.session.emitting(self.sink(**extra)),
                 state,
                 self.root,
                 step,
                 metadata=meta,
-                process_group=self.group,
-                on_event=self.sink(**extra),
-                storage_options=self.storage_options,
                 retention=self.retention,
                 async_save=background,
                 overlap_staging=self._overlap(fresh) if background else None,
                 allow_non_finite=self.allow_non_finite,
                 root_guard=self.root_guard,
-                _saver=self.saver,
             )
         except (SaveFailedError, StorageError) as exc:
             self.failures.record(step, exc, emergency=emergency)
@@ -235,16 +238,16 @@ class DurableSaves:
         return optimizers or None
 
     def url(self, step: int) -> str:
-        return Storage(self.root, self.storage_options).url(checkpoint_dirname(step))
+        return Storage(self.root, self.session.storage_options).url(checkpoint_dirname(step))
 
     def collect(self, timeout: float | None = None) -> None:
         """Wait for the background save in flight; record its outcome (all ranks)."""
-        pending = self.saver.pending
+        pending = self.session.saver.pending
         if pending is None or pending.step not in self._in_flight:
             return
         self._in_flight.pop(pending.step)
         try:
-            self.saver.wait_pending(timeout)
+            self.session.saver.wait_pending(timeout)
         except (SaveFailedError, StorageError) as exc:
             self.failures.record(pending.step, exc)
             return

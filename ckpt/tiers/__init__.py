@@ -119,7 +119,8 @@ class TierContext:
     saves: DurableSaves
     """The durable save engine: the root, the manager's checkpoint group (None: one
     process), rank, storage options and event sink; the durable tier saves with it, and
-    every tier's loads reuse its staging buffers (``saves.saver``)."""
+    every tier's saves and loads run in its ``saves.session``
+    (:class:`~ckpt.saving.session.Session`)."""
     emit: Emit
 
 

@@ -14,8 +14,7 @@ import logging
 from typing import Any
 
 from ckpt.errors import StateMismatchError
-from ckpt.loading.restore import LoadResult
-from ckpt.loading.restore import load as _load
+from ckpt.loading.restore import LoadResult, load_in
 from ckpt.saving.policy import SaveDecisionPolicy
 from ckpt.saving.saves import DurableSaves
 from ckpt.state.rng import RNG_STATE_KEY
@@ -79,16 +78,12 @@ class DurableTier:
             return self._load(template, scope), False
 
     def _load(self, template: dict[str, Any], scope: ResumeScope) -> LoadResult | None:
-        return _load(
+        return load_in(
+            self._saves.session.emitting(self._saves.sink()),
             template,
             self.root,
             missing_ok=True,
-            process_group=self._saves.group,
-            on_event=self._saves.sink(),
-            storage_options=self._saves.storage_options,
             catalog=scope.catalog,
-            _saver=self._saves.saver,
-            _partial_template=True,
         )
 
     def url(self, result: LoadResult) -> str:
@@ -99,7 +94,7 @@ class DurableTier:
 
     def save_in_flight(self) -> bool:
         """A save of this tier is still being written (what a clock policy waits for)."""
-        pending = self._saves.saver.pending
+        pending = self._saves.session.saver.pending
         return pending is not None and not pending.done()
 
     def exhausted(self) -> None:
@@ -111,7 +106,7 @@ class DurableTier:
         """Wait for the background save in flight (its outcome counts) and free the staging
         buffers; raises ``CheckpointError`` when that wait fails."""
         self._saves.collect(timeout)
-        self._saves.saver.close(timeout)
+        self._saves.session.saver.close(timeout)
 
 
 def build_durable_tier(ctx: TierContext) -> DurableTier:

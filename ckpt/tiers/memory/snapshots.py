@@ -19,8 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckpt.errors import CorruptCheckpointError
-from ckpt.loading.restore import LoadResult
-from ckpt.loading.restore import load as _load
+from ckpt.loading.restore import LoadResult, load_in
 from ckpt.saving.policy import EveryNSteps, SaveDecisionPolicy
 from ckpt.saving.saves import DurableSaves
 from ckpt.storage import StorageOptions
@@ -102,17 +101,10 @@ class MemorySnapshots:
             try:
                 # A snapshot assembled for this rank under a ckptmem:// root (node-local
                 # maps and shipped ranges; no storage faults): the same verified load.
-                result = _load(
-                    template,
-                    assembled.url,
-                    step=cand.step,
-                    process_group=self._saves.group,
-                    on_event=self._saves.sink(tier=self.name),
-                    storage_options=StorageOptions(
-                        fsync=False, faults=FaultRegistry(read_env=False)
-                    ),
-                    _saver=self._saves.saver,
-                    _partial_template=True,
+                session = self._saves.session.emitting(self._saves.sink(tier=self.name))
+                node_local = StorageOptions(fsync=False, faults=FaultRegistry(read_env=False))
+                result = load_in(
+                    session.storing(node_local), template, assembled.url, step=cand.step
                 )
             except CorruptCheckpointError as exc:
                 if verify:
