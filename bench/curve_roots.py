@@ -12,7 +12,7 @@ kind (``list``, ``read``, ``stat``, ``write``, ``delete``: :class:`StorageCalls`
   discovery of the newest committed checkpoint, its load);
 - ``discovery``: ``ckpt.find_latest_committed(root)`` alone;
 - ``ls``: ``python -m ckpt ls ROOT`` (in process, output discarded);
-- ``prune``: ``ckpt.lifecycle.retention.apply_retention(root, PRUNE_POLICY)`` (deletes one
+- ``prune``: ``ckpt.root.retention.apply_retention(root, PRUNE_POLICY)`` (deletes one
   checkpoint, put back untimed after each sample);
 - ``gc``: ``python -m ckpt gc ROOT --keep-last 3 --keep-every 10 --dry-run``.
 
@@ -54,7 +54,7 @@ def pruned_step(n: int) -> int:
 
 
 def prune_policy() -> Any:
-    from ckpt.lifecycle.retention import RetentionPolicy
+    from ckpt.root.retention import RetentionPolicy
 
     return RetentionPolicy(keep_last=3, keep_every=KEEP_EVERY)
 
@@ -192,7 +192,7 @@ def _ops(root: str, n: int) -> dict[str, Callable[[], Any]]:
     when its result is not what the root holds."""
     import ckpt
     from ckpt.cli import main as ckpt_cli
-    from ckpt.lifecycle.retention import apply_retention
+    from ckpt.root.retention import apply_retention
 
     def resume() -> Any:
         manager = ckpt.CheckpointManager(root, tiny_state(), retention=None)
@@ -228,7 +228,7 @@ def _ops(root: str, n: int) -> dict[str, Callable[[], Any]]:
 
 
 def _checked(root: str, n: int) -> None:
-    from ckpt.loading.discovery import list_checkpoints
+    from ckpt.root.catalog import list_checkpoints
 
     committed = [i.step for i in list_checkpoints(root) if i.committed]
     if committed[::-1] != root_steps(n):

@@ -41,7 +41,7 @@ Layout, manifest and commit rules: docs/design.md. ``python -m ckpt --help`` for
 Only what a script needs is exported here: of the errors, the base
 :class:`CheckpointError` and those a script catches. The parts behind it
 (``ckpt.storage.Storage``, ``ckpt.format.manifest``,
-``ckpt.lifecycle.retention.apply_retention``, every other error in ``ckpt.errors``)
+``ckpt.root.retention.apply_retention``, every other error in ``ckpt.errors``)
 are importable from their modules.
 """
 
@@ -61,12 +61,12 @@ from ckpt.errors import (
 )
 from ckpt.interop.export import ExportResult, export
 from ckpt.interop.pretrained import PretrainedLoad, load_pretrained
-from ckpt.lifecycle.retention import RetentionPolicy
-from ckpt.loading.discovery import CheckpointInfo, find_latest_committed, list_checkpoints
 from ckpt.loading.restore import LoadResult, load
 from ckpt.loading.verify import VerifyReport, verify_dir
 from ckpt.manager import CheckpointManager, ResumeInfo
 from ckpt.options import CheckpointOptions
+from ckpt.root.catalog import CheckpointInfo, find_latest_committed, list_checkpoints
+from ckpt.root.retention import RetentionPolicy
 from ckpt.saving.async_save import PendingSave, close, wait_pending
 from ckpt.saving.commit import save
 from ckpt.state.per_rank import PerRank

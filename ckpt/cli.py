@@ -22,12 +22,17 @@ from ckpt.format.layout import (
     parse_checkpoint_dirname,
 )
 from ckpt.format.manifest import MAX_MANIFEST_BYTES, Manifest
-from ckpt.lifecycle import ownership
-from ckpt.lifecycle.lease import read_lease
-from ckpt.lifecycle.quarantine import parse_quarantined_dirname, record_matches
-from ckpt.lifecycle.quarantine import read_record as read_quarantine_record
-from ckpt.lifecycle.retention import RetentionPolicy, apply_retention
-from ckpt.loading.discovery import (
+from ckpt.loading.reader import ShardReader
+from ckpt.loading.verify import (
+    MODE_CHECKSUM,
+    MODE_DEEP,
+    MODE_FAST,
+    VerifyReport,
+    non_finite_tensors,
+    verify_dir,
+)
+from ckpt.root import ownership
+from ckpt.root.catalog import (
     DAMAGED,
     FOREIGN,
     PARTIAL,
@@ -38,15 +43,10 @@ from ckpt.loading.discovery import (
     require_root,
     resolve,
 )
-from ckpt.loading.reader import ShardReader
-from ckpt.loading.verify import (
-    MODE_CHECKSUM,
-    MODE_DEEP,
-    MODE_FAST,
-    VerifyReport,
-    non_finite_tensors,
-    verify_dir,
-)
+from ckpt.root.lease import read_lease
+from ckpt.root.quarantine import parse_quarantined_dirname, record_matches
+from ckpt.root.quarantine import read_record as read_quarantine_record
+from ckpt.root.retention import RetentionPolicy, apply_retention
 from ckpt.storage import DIR, Storage
 from runcore.redact import RedactingStream, redact
 
@@ -375,7 +375,7 @@ def _gc_quarantined(catalog: Catalog, args: argparse.Namespace, verb: str) -> in
     """Delete quarantined checkpoints (``--quarantined``), or say how many are kept.
 
     Only a directory whose QUARANTINED record names it (step and stamp) and whose files
-    are all this library's is deleted (:mod:`ckpt.lifecycle.ownership`); others are said and kept.
+    are all this library's is deleted (:mod:`ckpt.root.ownership`); others are said and kept.
     """
     storage = catalog.storage
     aside = [(q.dirname, q.step, q.reason) for q in catalog.quarantined()]

@@ -153,7 +153,7 @@ class NonFiniteStateError(SaveFailedError):
 
 
 class RootLeaseError(CheckpointDirError):
-    """Another job holds the root's owner lease: refused before any training (``ckpt.lifecycle.lease``)."""
+    """Another job holds the root's owner lease: refused before any training (``ckpt.root.lease``)."""
 
 
 class RecordConflict(Exception):
@@ -163,7 +163,7 @@ class RecordConflict(Exception):
 
 class RootChangedError(SaveFailedError):
     """The root is no longer the one this job owns (deleted, replaced, unmounted, or its
-    lease taken over): a save refuses to write there (``ckpt.lifecycle.lease``)."""
+    lease taken over): a save refuses to write there (``ckpt.root.lease``)."""
 
 
 class CheckpointShapeError(StateMismatchError):

@@ -4,7 +4,7 @@ The manager holds an ordered list of tiers (:mod:`ckpt.tiers`; by default the me
 tier when it is on, then the durable root) and knows none of them by name: it offers
 each step to every tier whose save-decision policy says it is due
 (:mod:`ckpt.saving.policy`), a resume walks the tiers' candidates in order
-(:mod:`ckpt.loading.resume`), and :meth:`~CheckpointManager.close` closes them. Every
+(:mod:`ckpt.tiers.resume`), and :meth:`~CheckpointManager.close` closes them. Every
 method that touches checkpoints is a collective: every rank calls it, in the same order.
 """
 
@@ -20,15 +20,14 @@ import torch.distributed as dist
 from ckpt import dist as _dist
 from ckpt import env as _env
 from ckpt.errors import CheckpointError
-from ckpt.lifecycle import root_check as _root_check
-from ckpt.lifecycle.lease import JobIdentity, RootLease, take_lease
-from ckpt.lifecycle.retention import RetentionPolicy
-from ckpt.lifecycle.retention import describe as describe_retention
 from ckpt.loading import fresh_start
-from ckpt.loading.discovery import Catalog
-from ckpt.loading.resume import ResumeInfo, ResumeWalk, earlier_attempts
 from ckpt.notices import LoopNotices, say_start
 from ckpt.options import CheckpointOptions, option_view
+from ckpt.root import root_check as _root_check
+from ckpt.root.catalog import Catalog
+from ckpt.root.lease import JobIdentity, RootLease, take_lease
+from ckpt.root.retention import RetentionPolicy
+from ckpt.root.retention import describe as describe_retention
 from ckpt.saving.decisions import SaveDecisions
 from ckpt.saving.saves import DurableSaves, SaveFailures, expected_save_s
 from ckpt.state.app_state import AppState
@@ -37,6 +36,7 @@ from ckpt.storage import Storage, StorageOptions
 from ckpt.storage.faults import FaultRegistry, parse_storage_faults
 from ckpt.tiers import SaveRequest, Tier, TierBuilder, TierContext, build_tiers
 from ckpt.tiers.defaults import DEFAULT_TIERS
+from ckpt.tiers.resume import ResumeInfo, ResumeWalk, earlier_attempts
 from runcore import events as ev
 from runcore.redact import redact_fields
 
@@ -60,7 +60,7 @@ class CheckpointManager:
     retention, failure stop, memory tier, optimizer settings, non-finite values, the
     root's lease: each field documented there, the behaviour in docs/ckpt.md); or the
     same settings as keyword arguments (``every=50, async_save=True``, ``retention=`` a
-    :class:`~ckpt.lifecycle.retention.RetentionPolicy` or None), not both.
+    :class:`~ckpt.root.retention.RetentionPolicy` or None), not both.
 
     ``rng``: save each rank's RNG under its own key; a resume restores it when the world
     size is unchanged and re-derives it from ``(seed, step, rank)`` otherwise.
@@ -184,7 +184,7 @@ class CheckpointManager:
 
         A root that is, or is inside, a checkpoint is refused (nothing is created
         there); a local root is created; the root is listed and a probe object written,
-        read back and deleted (:func:`~ckpt.lifecycle.root_check.check_root`), so a bad scheme, a
+        read back and deleted (:func:`~ckpt.root.root_check.check_root`), so a bad scheme, a
         path under a file, a read-only or full disk, missing permissions or a missing
         bucket raise :class:`~ckpt.errors.CheckpointDirError` here, before any training.
         """
@@ -215,7 +215,7 @@ class CheckpointManager:
 
         ``this_job_only``: for a job launched not to resume (the trainer's ``--resume
         false``) whose torchrun restarts must resume their own work: only a checkpoint an
-        earlier attempt of this job wrote (:func:`~ckpt.loading.resume.earlier_attempts`);
+        earlier attempt of this job wrote (:func:`~ckpt.tiers.resume.earlier_attempts`);
         the first attempt loads nothing.
         """
         storage = Storage(self.root, self.storage_options)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from ckpt.env import MAX_LEASE_TTL_S
-from ckpt.lifecycle.retention import DEFAULT_RETENTION, RetentionPolicy
+from ckpt.root.retention import DEFAULT_RETENTION, RetentionPolicy
 from ckpt.saving import finite
 from ckpt.saving.policy import AnyOf, EveryNSteps, EverySeconds, SaveDecisionPolicy
 
@@ -187,7 +187,7 @@ class CheckpointOptions:
     def from_kwargs(cls, **kwargs: Any) -> CheckpointOptions:
         """The options of ``CheckpointManager``'s keyword arguments (``every=50, ...``).
 
-        The field names, plus ``retention``: a :class:`~ckpt.lifecycle.retention.RetentionPolicy`
+        The field names, plus ``retention``: a :class:`~ckpt.root.retention.RetentionPolicy`
         (its ``keep_last``/``keep_every``) or None (keep every checkpoint).
         """
         known = {f.name for f in fields(cls)}

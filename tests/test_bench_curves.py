@@ -216,7 +216,7 @@ def test_a_curve_that_failed_makes_its_metrics_nan_with_the_reason():
 )
 def test_a_root_of_n_checkpoints_loses_exactly_one_to_the_prune(n, steps, pruned):
     from bench.curve_roots import prune_policy
-    from ckpt.lifecycle.retention import plan_retention
+    from ckpt.root.retention import plan_retention
 
     assert root_steps(n) == steps and pruned_step(n) == pruned
     plan = plan_retention(steps, [], prune_policy())

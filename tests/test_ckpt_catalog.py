@@ -18,7 +18,7 @@ from test_ckpt_core import _corrupt_flip, blank_state, make_state, write
 import ckpt
 from ckpt.format.layout import COMPLETE_NAME, MANIFEST_NAME, QUARANTINE_MARKER_NAME
 from ckpt.format.manifest import Attempt
-from ckpt.loading.discovery import COMMITTED, CORRUPT, PARTIAL, QUARANTINED, Catalog
+from ckpt.root.catalog import COMMITTED, CORRUPT, PARTIAL, QUARANTINED, Catalog
 from ckpt.saving import commit
 from ckpt.storage import Storage
 

@@ -17,7 +17,7 @@ import torch
 
 import ckpt
 from ckpt import cli
-from ckpt.loading.discovery import list_checkpoints
+from ckpt.root.catalog import list_checkpoints
 from ckpt.saving import finite
 from ckpt.saving.writer import SMALL_ITEM_BYTES
 from testing.spawn import run_ok

@@ -90,7 +90,7 @@ def test_small_files_go_up_as_one_request_each_without_compose(gcs_root, monkeyp
     monkeypatch.setattr(GcsClient, "compose", lambda self, *a: composes.append(a[1]))
     ckpt.save(make_state(4), gcs_root, 4)
     names = sorted(name.rsplit("/", 1)[-1] for name in uploads)
-    # ATTEMPT: the claim a save writes before its shards (ckpt.lifecycle.ownership), gone at commit
+    # ATTEMPT: the claim a save writes before its shards (ckpt.root.ownership), gone at commit
     assert names == sorted(
         [".metadata", "rank_00000.distcp", "manifest.json", "COMPLETE", "ATTEMPT"]
     )

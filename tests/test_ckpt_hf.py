@@ -205,7 +205,7 @@ def test_a_file_that_is_not_safetensors_is_refused_before_reading_it(tmp_path):
 def test_code_pointing_keys_of_a_recorded_config_are_left_out_of_an_export(caplog):
     import logging
 
-    from ckpt.interop.hf import pretrained_files
+    from ckpt.state.hf import pretrained_files
 
     record = {"hf": {"model": {"config": {
         "model_type": "llama", "auto_map": {"AutoModel": "evil.Model"},

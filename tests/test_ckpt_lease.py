@@ -26,9 +26,9 @@ import ckpt
 import ckpt.errors
 from ckpt import cli, env
 from ckpt.format.layout import is_lease_name
-from ckpt.lifecycle import lease, ownership
-from ckpt.lifecycle.retention import apply_retention
-from ckpt.loading.discovery import list_checkpoints
+from ckpt.root import lease, ownership
+from ckpt.root.catalog import list_checkpoints
+from ckpt.root.retention import apply_retention
 from ckpt.storage import Storage
 from ckpt.storage.gcs import GcsRecord
 from ckpt.storage.s3 import S3Record
@@ -129,7 +129,7 @@ def test_an_expired_lease_is_taken_over_and_said_at_warning(any_root, held, capl
         held(any_root, job("run:B"), clock=clock).acquire()  # 1 s before it expires
     clock.now += 2.0
     taker = held(any_root, job("run:B", run_id="B"), clock=clock)
-    with caplog.at_level(logging.WARNING, logger="ckpt.lifecycle.lease"):
+    with caplog.at_level(logging.WARNING, logger="ckpt.root.lease"):
         taker.acquire()
     assert "expired" in caplog.text and "run 'A'" in caplog.text and "taken over" in caplog.text
     assert taker.took_over == ["A"]
@@ -158,7 +158,7 @@ def test_a_fresh_lease_left_by_a_process_that_ended_here_is_taken_over_at_once(
         child.kill()
         child.wait(timeout=30)
     relaunch = held(tmp_root, job("run:C", run_id="C"))
-    with caplog.at_level(logging.WARNING, logger="ckpt.lifecycle.lease"):
+    with caplog.at_level(logging.WARNING, logger="ckpt.root.lease"):
         relaunch.acquire()
     assert "no longer runs" in caplog.text and f"pid {child.pid}" in caplog.text
     assert relaunch.took_over == ["run:A"]
@@ -182,7 +182,7 @@ def test_a_closed_lease_is_gone_and_the_next_job_takes_the_root_quietly(any_root
     first.acquire()
     first.close()
     assert lease.read_lease(Storage(any_root)) is None
-    with caplog.at_level(logging.WARNING, logger="ckpt.lifecycle.lease"):
+    with caplog.at_level(logging.WARNING, logger="ckpt.root.lease"):
         held(any_root, job("run:B")).acquire()
     assert caplog.text == ""
     record = lease.read_lease(Storage(any_root))
@@ -428,7 +428,7 @@ def test_a_lease_record_that_does_not_parse_is_taken_over_at_warning(tmp_root, h
     with open(os.path.join(tmp_root, "OWNER.0000000003"), "wb") as fh:
         fh.write(b'{"format": 1, "job": ')  # garbage: must never block the root for good
     taker = held(tmp_root, job("run:B"))
-    with caplog.at_level(logging.WARNING, logger="ckpt.lifecycle.lease"):
+    with caplog.at_level(logging.WARNING, logger="ckpt.root.lease"):
         taker.acquire()
     assert "unreadable" in caplog.text and "taken over" in caplog.text
     assert [n for n in os.listdir(tmp_root) if is_lease_name(n)] == ["OWNER.0000000004"]
@@ -444,7 +444,7 @@ def test_a_restart_of_a_job_without_a_name_waits_for_its_own_dead_lease(tmp_root
     dead.acquire()
     dead._stop.set()  # rank 0 died holding it
     restarted = held(tmp_root, job("process:h2:20", run_id="none", restart=1), clock=clock)
-    with caplog.at_level(logging.WARNING, logger="ckpt.lifecycle.lease"):
+    with caplog.at_level(logging.WARNING, logger="ckpt.root.lease"):
         assert restarted.try_acquire() == 1.0
     assert "has no name" in caplog.text and "waiting up to 20 s" in caplog.text
     clock.now += 10.0
@@ -494,7 +494,7 @@ def test_a_lease_record_with_impossible_times_is_taken_over_and_ls_lists_the_roo
     assert cli.main(["ls", tmp_root]) in (0, 1)  # no OverflowError
     capsys.readouterr()
     taker = held(tmp_root, job("run:B", run_id="B"))
-    with caplog.at_level(logging.WARNING, logger="ckpt.lifecycle.lease"):
+    with caplog.at_level(logging.WARNING, logger="ckpt.root.lease"):
         taker.acquire()
     assert said in caplog.text and "taken over" in caplog.text
     taker.check()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.lifecycle.root_check import _parents
+from ckpt.root.root_check import _parents
 from ckpt.storage import Storage
 from ckpt.storage.local import is_disk_full
 from testing import mounts

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.lifecycle.retention import DEFAULT_RETENTION, RetentionPolicy
 from ckpt.options import CheckpointOptions
+from ckpt.root.retention import DEFAULT_RETENTION, RetentionPolicy
 from ckpt.saving.policy import EveryNSteps, SaveDecisionPolicy
 
 pytestmark = pytest.mark.timeout(60)

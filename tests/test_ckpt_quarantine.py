@@ -2,7 +2,7 @@
 
 Before, a damaged newest checkpoint made resume fall back, re-run the steps and then
 fail every save of the same step (committed checkpoints are never overwritten): a
-crash loop. These tests pin the protocol of ckpt/lifecycle/quarantine.py on local, memory://
+crash loop. These tests pin the protocol of ckpt/root/quarantine.py on local, memory://
 and gs:// roots, its crash safety, and what ``python -m ckpt`` says about it.
 """
 
@@ -30,15 +30,15 @@ from ckpt.errors import (
     UncommittedCheckpointError,
 )
 from ckpt.format.layout import COMPLETE_NAME, QUARANTINE_MARKER_NAME
-from ckpt.lifecycle.quarantine import (
+from ckpt.loading.reader import ShardReader
+from ckpt.root.catalog import QUARANTINED, list_checkpoints
+from ckpt.root.quarantine import (
     list_quarantined,
     parse_quarantined_dirname,
     quarantine,
     should_quarantine,
 )
-from ckpt.lifecycle.retention import RetentionPolicy, apply_retention
-from ckpt.loading.discovery import QUARANTINED, list_checkpoints
-from ckpt.loading.reader import ShardReader
+from ckpt.root.retention import RetentionPolicy, apply_retention
 from ckpt.storage import Storage
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.lifecycle.retention import (
+from ckpt.root.retention import (
     DEFAULT_RETENTION,
     RetentionPolicy,
     apply_retention,

@@ -67,3 +67,60 @@ def test_the_manager_stays_a_coordinator():
     with open(os.path.join(REPO, "ckpt", "manager.py"), encoding="utf-8") as fh:
         lines = fh.read().count("\n")
     assert lines <= 400, f"ckpt/manager.py is {lines} lines"
+
+
+def _room(module: str) -> str | None:
+    """``ckpt.saving.commit`` -> ``saving/``; ``ckpt.manager`` -> ``manager.py``."""
+    parts = module.split(".")
+    if parts[0] != "ckpt" or len(parts) < 2:
+        return None
+    return parts[1] + ("/" if os.path.isdir(os.path.join(REPO, "ckpt", parts[1])) else ".py")
+
+
+def test_the_rooms_of_ckpt_stand_on_each_other_without_a_circle():
+    """Each room (a folder or a top-level module of ``ckpt``) imports only rooms below it:
+    no import, even inside a function, runs back up."""
+    import ast
+
+    arrows: dict[str, dict[str, str]] = {}
+    for dirpath, _, filenames in os.walk(os.path.join(REPO, "ckpt")):
+        for name in filenames:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            module = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+            source = _room(module.removesuffix(".__init__"))
+            if source is None:
+                continue
+            with open(path, encoding="utf-8") as fh:
+                tree = ast.parse(fh.read())
+            for node in ast.walk(tree):
+                targets = []
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    targets = [node.module]
+                elif isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                for target in targets:
+                    room = _room(target)
+                    if room is not None and room != source:
+                        arrows.setdefault(source, {}).setdefault(room, f"{module}:{node.lineno}")
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            room = todo.pop()
+            if room == goal:
+                return True
+            if room not in seen:
+                seen.add(room)
+                todo.extend(arrows.get(room, {}))
+        return False
+
+    back = [
+        f"{where} ({source} -> {room}, while {room} reaches {source})"
+        for source, targets in sorted(arrows.items())
+        for room, where in sorted(targets.items())
+        if reaches(room, source)
+    ]
+    assert "storage/" in arrows["saving/"]  # the walk sees the rooms
+    assert back == []

@@ -43,7 +43,7 @@ def test_safe_text_escapes_terminal_sequences_but_keeps_lines():
 
 def test_log_records_of_the_project_are_cleaned_whatever_the_handler(caplog):
     with caplog.at_level(logging.INFO):
-        logging.getLogger("ckpt.lifecycle.quarantine").warning(
+        logging.getLogger("ckpt.root.quarantine").warning(
             "root %s: %s", "s3://k:hunter2@b/r", "reason \x1b]0;pwned\x07"
         )
         logging.getLogger("elastic.guard").info(f"f-string s3://k:{SECRET}@b/r")

@@ -24,7 +24,7 @@ from ckpt import cli
 from ckpt.errors import ObjectNotFoundError, RecordConflict, WriteVerificationError
 from ckpt.format.checksum import ChecksummingWriter
 from ckpt.format.layout import is_lease_name
-from ckpt.lifecycle import lease
+from ckpt.root import lease
 from ckpt.storage import Storage, registry
 from ckpt.storage.base import DIR, FILE, Calls, Produce
 

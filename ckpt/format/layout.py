@@ -15,7 +15,7 @@ STEP_DIGITS = 7
 MANIFEST_NAME = "manifest.json"
 COMPLETE_NAME = "COMPLETE"
 QUARANTINE_MARKER_NAME = "QUARANTINED"
-"""Written into a checkpoint set aside by resume (:mod:`ckpt.lifecycle.quarantine`), before COMPLETE goes."""
+"""Written into a checkpoint set aside by resume (:mod:`ckpt.root.quarantine`), before COMPLETE goes."""
 DCP_METADATA_NAME = ".metadata"
 SHARD_SUFFIX = ".distcp"
 ATTEMPT_NAME = "ATTEMPT"
@@ -23,9 +23,9 @@ ATTEMPT_NAME = "ATTEMPT"
 belongs to (JSON), so that only a dead attempt's leftovers are ever cleared."""
 
 PROBE_PREFIX = ".probe-"
-"""Name prefix of a root check's write probe (:mod:`ckpt.lifecycle.root_check`), removed at once."""
+"""Name prefix of a root check's write probe (:mod:`ckpt.root.root_check`), removed at once."""
 LEASE_NAME = "OWNER"
-"""The root's owner lease (:mod:`ckpt.lifecycle.lease`): one object ``OWNER`` on an object store;
+"""The root's owner lease (:mod:`ckpt.root.lease`): one object ``OWNER`` on an object store;
 records ``OWNER.<generation>`` (10 digits) on a local filesystem, published from
 ``.OWNER.tmp-*`` files. Never a checkpoint, never deleted by retention or ``gc``."""
 LEASE_TMP_PREFIX = ".OWNER.tmp-"

@@ -16,7 +16,7 @@ writes the model part only (the tensors under ``<model_key>.`` in DCP's
 Hugging Face conventions (safetensors): tied parameters are stored once in a manager's
 checkpoint (:mod:`ckpt.format.names`), so they are exported once, under the name
 ``save_pretrained`` keeps; the ``config.json`` and ``generation_config.json`` a manager
-recorded for a ``transformers`` model (:mod:`ckpt.interop.hf`) are written beside the weights,
+recorded for a ``transformers`` model (:mod:`ckpt.state.hf`) are written beside the weights,
 unless ``config`` gives a file; with neither, a WARNING says that ``from_pretrained``
 needs a config and how to give one.
 
@@ -75,11 +75,11 @@ from ckpt.format.checksum import crc32c_of
 from ckpt.format.layout import DCP_METADATA_NAME
 from ckpt.format.manifest import Manifest
 from ckpt.format.tensorblob import view_tensor
-from ckpt.interop.hf import CONFIG_FILE, pretrained_files
-from ckpt.lifecycle.quarantine import parse_quarantined_dirname
-from ckpt.loading.discovery import COMMITTED, resolve
 from ckpt.loading.reader import ShardReader
 from ckpt.loading.verify import MODE_FAST, VerifyReport, verify_dir
+from ckpt.root.catalog import COMMITTED, resolve
+from ckpt.root.quarantine import parse_quarantined_dirname
+from ckpt.state.hf import CONFIG_FILE, pretrained_files
 from ckpt.state.per_rank import PATH_SEP as PER_RANK_PATH_SEP
 from ckpt.state.per_rank import PER_RANK_KEY
 from ckpt.storage import Storage, crc32c_of_object

@@ -39,11 +39,11 @@ from ckpt.errors import (
 )
 from ckpt.format.layout import checkpoint_dirname
 from ckpt.format.manifest import Manifest
-from ckpt.lifecycle.quarantine import quarantine as quarantine_checkpoint
-from ckpt.lifecycle.quarantine import should_quarantine
-from ckpt.loading.discovery import CORRUPT, DAMAGED, QUARANTINED, Catalog
 from ckpt.loading.reader import SafeLoadPlanner, ShardReader
 from ckpt.loading.verify import verify_dir
+from ckpt.root.catalog import CORRUPT, DAMAGED, QUARANTINED, Catalog
+from ckpt.root.quarantine import quarantine as quarantine_checkpoint
+from ckpt.root.quarantine import should_quarantine
 from ckpt.saving.session import EventSink, Session, default_session
 from ckpt.state.state_check import LoadableState
 from ckpt.storage import Storage, StorageOptions
@@ -98,12 +98,12 @@ def load(
     ``missing_ok``, returns None when ``root`` holds no committed checkpoint at all;
     otherwise raises :class:`~ckpt.errors.CheckpointNotFoundError`. With
     ``quarantine`` (the default), a committed checkpoint found damaged is set aside
-    by the coordinator before the fallback (:mod:`ckpt.lifecycle.quarantine`), so its step can
+    by the coordinator before the fallback (:mod:`ckpt.root.quarantine`), so its step can
     be committed again instead of failing every later save; a root left with
     quarantined checkpoints and no committed one raises
     :class:`~ckpt.errors.NoLoadableCheckpointError` even with ``missing_ok``.
     ``catalog``: the coordinator's listing of ``root`` when the caller already made
-    one (:class:`~ckpt.loading.discovery.Catalog`; what it read is not read again); other
+    one (:class:`~ckpt.root.catalog.Catalog`; what it read is not read again); other
     ranks ignore it. Without it, the coordinator lists ``root`` once.
 
     ``state`` holds state dicts or the objects themselves (anything with

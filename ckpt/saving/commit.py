@@ -54,10 +54,10 @@ from ckpt.format.layout import (
     checkpoint_dirname,
 )
 from ckpt.format.manifest import Attempt, CompleteMarker, FileEntry, Manifest
-from ckpt.lifecycle import ownership
-from ckpt.lifecycle.quarantine import finish_move as finish_quarantine_move
-from ckpt.lifecycle.retention import RetentionPolicy, apply_retention, set_aside_renamed
-from ckpt.loading.discovery import PARTIAL, SET_ASIDE, Catalog, inspect_dir
+from ckpt.root import ownership
+from ckpt.root.catalog import PARTIAL, SET_ASIDE, Catalog, inspect_dir
+from ckpt.root.quarantine import finish_move as finish_quarantine_move
+from ckpt.root.retention import RetentionPolicy, apply_retention, set_aside_renamed
 from ckpt.saving import async_save as _async
 from ckpt.saving import finite
 from ckpt.saving.session import EventSink, Session, default_session
@@ -154,7 +154,7 @@ def save(
 
     ``root_guard``: called by the coordinator before anything is written and again just
     before COMPLETE; it raises to stop the save (a ``CheckpointManager`` checks there that
-    the root is still the one its job owns, :mod:`ckpt.lifecycle.lease`).
+    the root is still the one its job owns, :mod:`ckpt.root.lease`).
 
     Raises :class:`~ckpt.errors.CheckpointExistsError` if the step is already
     committed, :class:`~ckpt.errors.FencedError` if a newer attempt committed,
@@ -414,10 +414,10 @@ def _prepare(storage: Storage, dirname: str, attempt: Attempt, started_at: float
     """Coordinator: refuse to overwrite a commit, fence, clear a dead attempt's leftovers,
     and claim the directory for this attempt (``ATTEMPT``, before any shard).
 
-    Lists the root once (a :class:`~ckpt.loading.discovery.Catalog` shared with the fence
+    Lists the root once (a :class:`~ckpt.root.catalog.Catalog` shared with the fence
     check); the step's directory is listed only when the root holds it. Leftovers are
     cleared only when every file in them is one this library writes
-    (:mod:`ckpt.lifecycle.ownership`); anything else stops the save with an error naming them,
+    (:mod:`ckpt.root.ownership`); anything else stops the save with an error naming them,
     and a committed checkpoint renamed to this step, or one of this step whose manifest.json
     was damaged after its commit, is quarantined, never deleted.
     """

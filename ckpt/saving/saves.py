@@ -35,7 +35,7 @@ from ckpt.errors import (
     TooManySaveFailuresError,
 )
 from ckpt.format.layout import checkpoint_dirname
-from ckpt.lifecycle.retention import RetentionPolicy
+from ckpt.root.retention import RetentionPolicy
 from ckpt.saving import async_save as _async
 from ckpt.saving.commit import save_in
 from ckpt.saving.session import Session

@@ -6,7 +6,7 @@ save to save: the models' shapes (the shape check on resume), the per-rank tenso
 paths (:mod:`ckpt.state.per_rank`: detected by comparing across ranks, or declared) and each
 sampler's last data position (the guard against a forgotten ``sampler.advance()``).
 The record also names tied parameters (``tied``: stored once, :mod:`ckpt.format.names`) and a
-``transformers`` model's config (``hf``, :mod:`ckpt.interop.hf`). At the first save it says at
+``transformers`` model's config (``hf``, :mod:`ckpt.state.hf`). At the first save it says at
 WARNING when a data position moved that is in no manager's state (``runcore.positions``).
 The manager decides when to save; this decides what.
 """
@@ -20,9 +20,9 @@ from typing import Any
 from ckpt import dist as _dist
 from ckpt.errors import DataPositionError
 from ckpt.format.manager_record import RECORD_KEY
-from ckpt.interop.hf import HF_RECORD_KEY, pretrained_record
 from ckpt.state import per_rank
 from ckpt.state.app_state import AppState
+from ckpt.state.hf import HF_RECORD_KEY, pretrained_record
 from ckpt.state.rng import RNG_STATE_KEY, capture_rng, rng_device, rng_key
 from ckpt.state.unregistered import UnregisteredModels
 from runcore import positions as _positions

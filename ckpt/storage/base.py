@@ -25,7 +25,7 @@ for refused credentials, an ``OSError`` with ``code`` 408/429/5xx, ``TimeoutErro
 exceptions into these (or raises :mod:`ckpt.errors` types itself).
 
 One optional method, ``conditional_record(path)``, gives what the root's owner lease
-(:mod:`ckpt.lifecycle.lease`) needs: one small record with a compare-and-swap
+(:mod:`ckpt.root.lease`) needs: one small record with a compare-and-swap
 (:class:`ConditionalRecord`). A backend that has no atomic conditional write leaves it out
 (or returns None): a job with a lease on such a root is refused with a clear error, never
 given a lease two jobs could both take.

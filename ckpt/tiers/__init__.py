@@ -8,7 +8,7 @@ root) and knows none of them by name. Each tier has both halves:
   :meth:`Tier.save` saves it. ``maybe_save`` offers a step to every tier in order,
   with one :class:`SaveRequest` that captures the state once for all of them.
 - load: :meth:`CheckpointManager.resume <ckpt.manager.CheckpointManager.resume>` walks
-  the tiers in order (:mod:`ckpt.loading.resume`) and, per tier, its candidates newest first.
+  the tiers in order (:mod:`ckpt.tiers.resume`) and, per tier, its candidates newest first.
   A tier says which candidates it has and loads one into a state template with the
   normal verified load (``ckpt.loading.restore.load``); the walk does everything else once, for
   every tier: the shape check, fresh optimizers, the RNG decision, per-rank layout,
@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckpt.loading.discovery import Catalog
 from ckpt.loading.restore import LoadResult
 from ckpt.options import CheckpointOptions
+from ckpt.root.catalog import Catalog
 from ckpt.saving.policy import SaveDecisionPolicy
 from ckpt.saving.saves import DurableSaves
 from ckpt.state.capture import MANAGER_META_KEY, Captured, StateCapture

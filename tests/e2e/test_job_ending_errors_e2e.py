@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from ckpt.lifecycle.lease import JobIdentity, RootLease
+from ckpt.root.lease import JobIdentity, RootLease
 from ckpt.storage import Storage
 from testing.local_cluster import REPO, ElasticJob, read_jsonl
 from testing.procs import RunTimeoutError, signal_tree, torchrun_command, torchrun_trainer

@@ -23,7 +23,7 @@ import textwrap
 import pytest
 
 import ckpt
-from ckpt.lifecycle.retention import apply_retention
+from ckpt.root.retention import apply_retention
 from testing.local_cluster import REPO
 from testing.procs import RunTimeoutError, torchrun_trainer
 
@@ -92,7 +92,7 @@ PRUNE = textwrap.dedent(
     """
     import os, signal, sys
     import ckpt
-    from ckpt.lifecycle.retention import apply_retention
+    from ckpt.root.retention import apply_retention
     from ckpt.storage import Storage
 
     root, kill_at, half = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "half"

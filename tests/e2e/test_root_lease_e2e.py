@@ -29,7 +29,7 @@ import time
 import pytest
 
 import ckpt
-from ckpt.lifecycle.lease import JobIdentity, RootLease, read_lease
+from ckpt.root.lease import JobIdentity, RootLease, read_lease
 from ckpt.storage import Storage
 from testing.local_cluster import REPO, read_jsonl
 from testing.procs import (

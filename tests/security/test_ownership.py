@@ -17,7 +17,7 @@ import torch
 import ckpt
 from ckpt import cli
 from ckpt.format.layout import ATTEMPT_NAME
-from ckpt.lifecycle.retention import RetentionPolicy, apply_retention
+from ckpt.root.retention import RetentionPolicy, apply_retention
 
 
 def _save(root: str, step: int, **kw) -> None:

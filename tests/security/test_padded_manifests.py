@@ -26,7 +26,7 @@ from corpus import rewrite_manifest
 import ckpt
 import ckpt.cli
 from ckpt.format.manifest import Manifest
-from ckpt.loading.discovery import COMMITTED, Catalog
+from ckpt.root.catalog import COMMITTED, Catalog
 
 PADDING = 150_000
 

@@ -29,8 +29,8 @@ from ckpt.errors import (
     StateApplyError,
 )
 from ckpt.format.layout import STOCK_DCP_REASON
-from ckpt.loading.discovery import REFUSED, Catalog, stock_dcp_names
 from ckpt.loading.restore import LoadResult, SkippedCheckpoint, refuse_only_quarantined, set_aside
+from ckpt.root.catalog import REFUSED, Catalog, stock_dcp_names
 from ckpt.state import per_rank
 from ckpt.state.app_state import AppState, param_group_changes, shape_mismatch
 from ckpt.state.capture import MANAGER_META_KEY, StateCapture

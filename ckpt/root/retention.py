@@ -3,7 +3,7 @@
 Policy: keep the newest ``keep_last`` committed checkpoints (at least one, so the
 newest is never deleted) and, permanently, every committed checkpoint whose step
 is a multiple of ``keep_every`` and every ``protect``-ed step (the one a run resumed
-from). Quarantined checkpoints (:mod:`ckpt.lifecycle.quarantine`) are neither committed nor
+from). Quarantined checkpoints (:mod:`ckpt.root.quarantine`) are neither committed nor
 partial: retention never touches them (``python -m ckpt gc --quarantined`` does). Partial directories older than the newest
 committed checkpoint belong to dead attempts and are deleted (when their records name the
 pruning run, or a run whose owner lease it took over: ``dead_runs``); newer partial
@@ -15,7 +15,7 @@ kill at any point of a prune) leaves a partial directory, never a torn "committe
 and the next prune (of any run) deletes that partial directory: its record proves it.
 
 What the plan says to delete is deleted only when it is provably the library's
-(:mod:`ckpt.lifecycle.ownership`): every file in the directory one it writes (and, committed, one
+(:mod:`ckpt.root.ownership`): every file in the directory one it writes (and, committed, one
 its manifest lists), and a partial directory's records naming the run that prunes. A
 directory that fails this is left whole and said at WARNING (:attr:`RetentionPlan.refused`);
 a committed checkpoint renamed by hand ("renamed") or whose manifest.json was damaged after
@@ -32,15 +32,13 @@ import logging
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from ckpt.errors import CheckpointError, ObjectNotFoundError
 from ckpt.format.layout import ATTEMPT_NAME, COMPLETE_NAME
-from ckpt.lifecycle import ownership
+from ckpt.root import ownership
+from ckpt.root.catalog import PARTIAL, RENAMED, SET_ASIDE, Catalog, CheckpointInfo
+from ckpt.root.quarantine import quarantine
 from ckpt.storage import Storage
-
-if TYPE_CHECKING:
-    from ckpt.loading.discovery import Catalog, CheckpointInfo
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +58,7 @@ class RetentionPolicy:
     it resumed from)."""
     dead_runs: frozenset[str] = frozenset()
     """Run ids whose uncommitted directories are cleared like the pruning run's own: runs
-    whose owner lease that run took over (:mod:`ckpt.lifecycle.lease`), which can never commit."""
+    whose owner lease that run took over (:mod:`ckpt.root.lease`), which can never commit."""
 
     def __post_init__(self) -> None:
         if (
@@ -139,8 +137,6 @@ def apply_retention(
     ``said``: URLs already reported as left alone (each is said at WARNING once).
     ``catalog``: the root's listing when the caller already made one (``gc``).
     """
-    from ckpt.loading.discovery import PARTIAL, SET_ASIDE, Catalog
-
     if catalog is None:
         catalog = Catalog(root if isinstance(root, Storage) else Storage(root))
     storage = catalog.storage
@@ -226,9 +222,6 @@ def set_aside_renamed(storage: Storage, info: CheckpointInfo, said: set[str] | N
     checkpoint, so it is set aside, never deleted. Said at WARNING. Returns "" when it
     could not be moved (said too; tried again next time).
     """
-    from ckpt.lifecycle.quarantine import quarantine
-    from ckpt.loading.discovery import RENAMED
-
     renamed = info.status == RENAMED
     reason = f"{info.reason}; its directory name says step {info.step}" if renamed else info.reason
     what = "renamed" if renamed else "damaged"

@@ -16,7 +16,7 @@ Anything else is left in place, and the caller says why at WARNING (:func:`say_l
 Everything here only reads; the callers delete.
 
 Directly under a root, the library also keeps records that are not checkpoints: the owner
-lease (:mod:`ckpt.lifecycle.lease`; names ``OWNER``, ``OWNER.<generation>``, ``.OWNER.tmp-*``:
+lease (:mod:`ckpt.root.lease`; names ``OWNER``, ``OWNER.<generation>``, ``.OWNER.tmp-*``:
 :func:`ckpt.format.layout.is_lease_name`) and a root check's short-lived write probe
 (``.probe-*``). Retention and ``gc`` delete checkpoint directories only, so they never
 touch them, and discovery never takes them for checkpoints (they are not named

@@ -4,7 +4,7 @@ A directory counts as committed only if its COMPLETE marker parses, names the
 directory's step, and vouches for the exact bytes of its manifest.json (crc32c).
 Everything else is *partial*: invisible to resume and retention counting, shown
 as such by ``python -m ckpt ls``. A directory without COMPLETE but with a
-QUARANTINED record is *quarantined* (:mod:`ckpt.lifecycle.quarantine`, a move interrupted
+QUARANTINED record is *quarantined* (:mod:`ckpt.root.quarantine`, a move interrupted
 half-way): never resumed, never deleted by retention or a new save's clean-up.
 *corrupt* is a committed one that an operation failed to verify or load and did not
 quarantine (:meth:`Catalog.mark`). *renamed* is a committed checkpoint under another
@@ -37,6 +37,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckpt.errors import (
+    CheckpointDirError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     ObjectNotFoundError,
     ObjectTooLargeError,
@@ -54,12 +56,12 @@ from ckpt.format.layout import (
 )
 from ckpt.format.manager_record import record_problems
 from ckpt.format.manifest import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, CompleteMarker, Manifest
-from ckpt.lifecycle.quarantine import (
+from ckpt.root.quarantine import (
     QuarantinedCheckpoint,
     list_quarantined,
     parse_quarantined_dirname,
 )
-from ckpt.lifecycle.quarantine import read_record as read_quarantine_record
+from ckpt.root.quarantine import read_record as read_quarantine_record
 from ckpt.storage import DIR, LINK, Storage
 
 logger = logging.getLogger(__name__)
@@ -375,8 +377,6 @@ def resolve(url: str, step: int | None = None) -> tuple[Storage, CheckpointInfo]
             raise ValueError(f"{url} is the checkpoint of step {dir_step}, not step {step}")
         storage = Storage(parent or "/")
         return storage, inspect_dir(storage, dirname)
-    from ckpt.errors import CheckpointNotFoundError
-
     storage = require_root(url)
     if step is not None:
         if checkpoint_dirname(step) not in {name for name, _ in storage.list_dir()}:
@@ -395,8 +395,6 @@ def resolve(url: str, step: int | None = None) -> tuple[Storage, CheckpointInfo]
 def require_root(url: str) -> Storage:
     """The storage of root ``url``; a local root that does not exist is an error naming it
     (a typo in a path is not "no checkpoints")."""
-    from ckpt.errors import CheckpointDirError
-
     storage = Storage(url)
     if storage.backend.scheme == "file" and not os.path.isdir(storage.path()):
         what = "is not a directory" if os.path.lexists(storage.path()) else "does not exist"
