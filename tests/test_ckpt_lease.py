@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -32,7 +31,7 @@ from ckpt.root.retention import apply_retention
 from ckpt.storage import Storage
 from ckpt.storage.gcs import GcsRecord
 from ckpt.storage.s3 import S3Record
-from testing import mounts
+from testing import leases, mounts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -198,23 +197,7 @@ def test_two_jobs_racing_for_an_expired_lease_never_both_win(tmp_root, held):
         dead._stop.set()  # died holding it
         clock.now += 5.0
         racers = [held(root, job(f"run:{i}"), clock=clock) for i in range(4)]
-        barrier = threading.Barrier(len(racers))
-        outcomes: list[str] = []
-
-        def race(item: lease.RootLease, barrier=barrier, outcomes=outcomes) -> None:
-            barrier.wait()
-            try:
-                item.acquire()
-                outcomes.append("won")
-            except ckpt.RootLeaseError:
-                outcomes.append("refused")
-
-        threads = [threading.Thread(target=race, args=(r,)) for r in racers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert sorted(outcomes) == ["refused"] * 3 + ["won"], round_
+        assert leases.race(racers) == ["refused"] * 3 + ["won"], round_
         records = [n for n in os.listdir(root) if is_lease_name(n)]
         assert len(records) == 1, records  # older generations removed, no temporaries left
 

@@ -27,6 +27,7 @@ from ckpt.format.layout import is_lease_name
 from ckpt.root import lease
 from ckpt.storage import Storage, registry
 from ckpt.storage.base import DIR, FILE, Calls, Produce
+from testing import leases
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -236,24 +237,9 @@ def test_a_race_for_an_expired_lease_on_a_registered_backend_is_won_once(toy):
     dead._stop.set()  # died holding it
     now[0] += 5.0
     racers = [lease.RootLease(Storage(root), who(f"r{i}"), 60.0, clock=clock) for i in range(4)]
-    barrier = threading.Barrier(len(racers))
-    outcomes: list[str] = []
-
-    def race(item: lease.RootLease) -> None:
-        barrier.wait()
-        try:
-            item.acquire()
-            outcomes.append("won")
-        except ckpt.RootLeaseError:
-            outcomes.append("refused")
-
-    threads = [threading.Thread(target=race, args=(r,)) for r in racers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    outcomes = leases.race(racers)
     try:
-        assert sorted(outcomes) == ["refused"] * 3 + ["won"]
+        assert outcomes == ["refused"] * 3 + ["won"]
         winner = next(r for r in racers if r.held)
         assert lease.read_lease(Storage(root)).token == winner.token
     finally:
