@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ckpt.format.layout import (
@@ -465,8 +466,24 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from ckpt.interop.pretrained import import_pretrained, is_pretrained_dir
     from ckpt.interop.stock_dcp import import_stock_dcp
 
+    if is_pretrained_dir(args.source):
+        if args.rename:
+            raise ValueError(
+                "--rename is for stock DCP checkpoints; a save_pretrained "
+                "directory is one key, named by --model-key (default model)"
+            )
+        print(f"importing {shown(args.source)} (save_pretrained) ...", file=sys.stderr)
+        result = import_pretrained(
+            args.source,
+            args.root,
+            step=0 if args.step is None else args.step,
+            model_key=args.model_key or "model",
+            progress=sys.stderr,
+        )
+        return _imported(args, result)
     rename = {}
     for pair in args.rename or []:
         old, sep, new = pair.partition("=")
@@ -482,6 +499,11 @@ def cmd_import(args: argparse.Namespace) -> int:
         model_key=args.model_key,
         progress=sys.stderr,
     )
+    return _imported(args, result)
+
+
+def _imported(args: argparse.Namespace, result: Any) -> int:
+    """Verify (deep) what an import committed and say it."""
     storage, info = resolve(args.root, result.step)
     assert info.manifest is not None
     report = verify_dir(storage.child(info.dirname), info.manifest, mode=MODE_DEEP)
@@ -642,15 +664,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "import",
-        help="make a stock DCP checkpoint (torchtitan's step-N, a dcp.save directory) one of ours",
+        help="make a stock DCP checkpoint (torchtitan's step-N, a dcp.save directory) or a "
+        "Hugging Face save_pretrained directory one of ours",
         description="Read a checkpoint written by torch.distributed.checkpoint.save (.metadata "
-        "and __<rank>_<n>.distcp files, no manifest) in one process and save the state it holds "
-        "under ROOT with ckpt.save: a committed checkpoint (manifest, crc32c, COMPLETE), "
-        "verified, that loads on any world size, with the stock checkpoint's keys. Its bytes "
-        "are read as data (weights_only); a value that is not plain data is left out and "
-        "named. SOURCE is not changed.",
+        "and __<rank>_<n>.distcp files, no manifest), or a save_pretrained directory "
+        "(model.safetensors or an index and its shards), in one process and save the state it "
+        "holds under ROOT with ckpt.save: a committed checkpoint (manifest, crc32c, COMPLETE), "
+        "verified, that loads on any world size. A stock checkpoint keeps its keys; a "
+        "save_pretrained directory becomes the state of one key (--model-key, default model) "
+        "at step 0 unless --step says otherwise. Its bytes are read as data (weights_only, "
+        "safetensors headers checked against the files); a value that is not plain data is "
+        "left out and named. SOURCE is not changed.",
     )
-    p.add_argument("source", help="the stock DCP directory (local, gs://, s3://)")
+    p.add_argument(
+        "source", help="the stock DCP or save_pretrained directory (local, gs://, s3://)"
+    )
     p.add_argument("root", help="the checkpoint root of ours to save it under")
     p.add_argument(
         "--step", type=int, help="the step to save it as (default: the one its name says)"
@@ -666,7 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-key",
         metavar="KEY",
         help="put the top-level tensors under KEY (torchtitan saves the model's state "
-        "flattened into the top level): --model-key model",
+        "flattened into the top level): --model-key model; for a save_pretrained directory "
+        "the key of its tensors (default model)",
     )
     p.set_defaults(func=cmd_import)
     return parser

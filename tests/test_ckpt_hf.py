@@ -258,3 +258,45 @@ def test_stock_dcp_load_of_a_tied_model_needs_only_allow_partial_load(llama_root
     for result in got:
         assert "lm_head.weight" in result["strict"], result["strict"]  # why the recipe exists
         assert result["tied"] and torch.equal(result["logits"], expected)
+
+
+# -- python -m ckpt import: a save_pretrained directory as a committed checkpoint -----------
+
+
+def _resume_imported(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_llama(99)  # other weights: every one must come from the checkpoint
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    with ckpt.CheckpointManager(root, {"model": model}) as manager:
+        step = manager.resume()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    return {"step": step, "state": {k: v.clone() for k, v in full.items()}, "tied": tied}
+
+
+def test_a_save_pretrained_directory_imports_as_a_checkpoint_a_manager_resumes_sharded(
+    pretrained, tmp_path, capsys
+):
+    from ckpt import cli
+
+    path, want = pretrained
+    root = str(tmp_path / "root")
+    assert cli.main(["import", path, root, "--step", "7"]) == 0
+    out = capsys.readouterr().out
+    assert f"imported {len(want) - 1} tensors" in out and "(verified)" in out  # tied: once
+    assert [info.step for info in ckpt.list_checkpoints(root)] == [7]
+    for result in run_ok(_resume_imported, 2, root, timeout_s=150):
+        assert result["step"] == 7 and result["tied"]
+        for name, value in want.items():
+            assert torch.equal(result["state"][name], value), name
+    # an index of shards too, at step 0 by default; --rename has no meaning here
+    sharded = str(tmp_path / "sharded")
+    tiny_llama(5).save_pretrained(sharded, max_shard_size="20KB")
+    assert cli.main(["import", sharded, str(tmp_path / "other")]) == 0
+    assert [info.step for info in ckpt.list_checkpoints(str(tmp_path / "other"))] == [0]
+    assert cli.main(["import", sharded, str(tmp_path / "x"), "--rename", "a=b"]) == 2
+    assert "--rename is for stock DCP" in capsys.readouterr().err

@@ -25,6 +25,11 @@ lack is a :class:`~ckpt.errors.StateMismatchError` naming it (``strict=False`` l
 it as initialized); tensors the files hold and the model lacks, and a dtype cast (a
 bf16 file into an fp32 model), are said at WARNING. Local paths and fsspec URLs
 (``gs://``) work alike.
+
+``python -m ckpt import DIR ROOT`` (:func:`import_pretrained`) makes such a directory a
+committed checkpoint of ours instead: every tensor read once, in one process, and saved
+with ``ckpt.save`` under ``ROOT`` as the state of one key (``model``), verified; a
+manager that registers the model under that key resumes it on any world size.
 """
 
 from __future__ import annotations
@@ -46,9 +51,16 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
+from ckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    StockImportError,
+)
 from ckpt.format import names
 from ckpt.interop.export import _SAFETENSORS_DTYPES, SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from ckpt.interop.stock_dcp import PROGRESS_EVERY_S, ImportResult
+from ckpt.saving.commit import save
 
 logger = logging.getLogger(__name__)
 
@@ -301,3 +313,52 @@ def _say(result: PretrainedLoad) -> None:
         if listed_names:
             listed = ", ".join(listed_names[:10]) + (" ..." if len(listed_names) > 10 else "")
             logger.warning("rank 0: %d " + what + ": %s", len(listed_names), result.path, listed)
+
+
+def is_pretrained_dir(source: str) -> bool:
+    """Whether ``source`` holds ``model.safetensors`` or a safetensors index."""
+    fs, root = fsspec.core.url_to_fs(source)
+    base = root.rstrip("/")
+    return fs.exists(f"{base}/{SAFETENSORS_SINGLE}") or fs.exists(f"{base}/{SAFETENSORS_INDEX}")
+
+
+def import_pretrained(
+    source: str,
+    root: str,
+    *,
+    step: int = 0,
+    model_key: str = "model",
+    progress: Any = None,
+) -> ImportResult:
+    """Save the tensors of the ``save_pretrained`` directory ``source`` as the state of
+    ``model_key`` at step ``step`` of ``root`` (a committed checkpoint of ours); one
+    process, no process group needed. The files are parsed as :func:`load_pretrained`
+    parses them (headers checked against each file; nothing executed); ``progress``: a
+    stream told how far the reading got, every few seconds (the CLI passes stderr)."""
+    if not model_key:
+        raise StockImportError("--model-key: give the key the manager registers the model under")
+    fs, base = fsspec.core.url_to_fs(source)
+    try:
+        entries = _index(fs, base)
+    except CheckpointNotFoundError as exc:
+        raise StockImportError(str(exc)) from None
+    except CorruptCheckpointError as exc:
+        raise StockImportError(f"{source} is not a readable save_pretrained directory: {exc}") from None
+    result = ImportResult(url="", step=step)
+    tensors: dict[str, torch.Tensor] = {}
+    last_said = time.monotonic()
+    for name in sorted(entries):
+        entry = entries[name]
+        tensor, nbytes = _read_region(fs, entry, entry.shape, (0,) * len(entry.shape))
+        tensors[name] = tensor
+        result.tensors += 1
+        result.tensor_bytes += nbytes
+        if progress is not None and time.monotonic() - last_said >= PROGRESS_EVERY_S:
+            last_said = time.monotonic()
+            print(
+                f"  read {result.tensors}/{len(entries)} tensors "
+                f"({result.tensor_bytes / 2**20:.0f} MiB)",
+                file=progress,
+            )
+    result.url = str(save({model_key: tensors}, root, step, metadata={"imported_from": source}))
+    return result
