@@ -300,3 +300,18 @@ def test_a_save_pretrained_directory_imports_as_a_checkpoint_a_manager_resumes_s
     assert [info.step for info in ckpt.list_checkpoints(str(tmp_path / "other"))] == [0]
     assert cli.main(["import", sharded, str(tmp_path / "x"), "--rename", "a=b"]) == 2
     assert "--rename is for stock DCP" in capsys.readouterr().err
+
+
+def test_an_import_of_a_forged_safetensors_file_commits_nothing(tmp_path, capsys):
+    import json
+
+    from ckpt import cli
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 28], "data_offsets": [0, 1 << 30]}})
+    (bad / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header.encode())
+    root = str(tmp_path / "root")
+    assert cli.main(["import", str(bad), root]) == 2  # 1 GiB declared by a 90-byte file
+    assert "ends at byte" in capsys.readouterr().err
+    assert not os.path.exists(root)
