@@ -51,6 +51,8 @@ from ckpt.root.retention import RetentionPolicy, apply_retention
 from ckpt.storage import DIR, Storage
 from runcore.redact import RedactingStream, redact
 
+OBJECT_STORES = ("gs", "s3")
+"""Schemes whose stores keep each object's crc32c (verify reads none of ours)."""
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_ERROR = 2
@@ -265,6 +267,13 @@ def _verify_committed(
         f"{human_bytes(report.bytes_checked)} read"
         f"{'; every floating tensor finite' if args.finite else ''})"
     )
+    if report.read_in_full and storage.backend.scheme in OBJECT_STORES:
+        listed = ", ".join(shown(p) for p in report.read_in_full[:5])
+        more = " ..." if len(report.read_in_full) > 5 else ""
+        print(
+            f"      {len(report.read_in_full)} file(s) had no crc32c in the store (put there by "
+            f"a client that sets none, e.g. a copy): read in full to check them: {listed}{more}"
+        )
     return EXIT_OK
 
 

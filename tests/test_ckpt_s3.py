@@ -403,3 +403,22 @@ def test_transfer_options_are_checked_against_s3s_limits_and_the_scheme():
 
     with pytest.raises(StoragePermanentError, match="S3TransferOptions"):
         Storage("s3://bucket/run", StorageOptions(transfer=GcsTransferOptions()))
+
+
+def test_an_object_copied_without_a_crc32c_is_read_in_full_and_verify_says_so(
+    s3_server, s3_root, capsys
+):
+    from ckpt import cli
+
+    ckpt.save(make_state(1), s3_root, 1)
+    assert cli.main(["verify", s3_root]) == 0
+    first = capsys.readouterr().out
+    assert "0 B read" in first and "read in full" not in first  # every crc32c from the store
+    bucket, prefix = split_root(s3_root)
+    key = f"{prefix}/checkpoint_0000001/rank_00000.distcp"
+    client = s3_server.client()
+    data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=bucket, Key=key, Body=data)  # a stock copy: no CRC32C
+    assert cli.main(["verify", s3_root]) == 0
+    out = capsys.readouterr().out
+    assert "1 file(s) had no crc32c in the store" in out and "rank_00000.distcp" in out

@@ -68,6 +68,9 @@ class VerifyReport:
     """Files whose crc32c was compared with the manifest's (object crc32c or bytes read)."""
     sizes_only: int = 0
     """Files that passed with only their size checked: contents not verified."""
+    read_in_full: list[str] = field(default_factory=list)
+    """``checksum`` mode: files downloaded and checksummed because the store kept no
+    crc32c for them (on GCS or S3: an object a client without CRC32C put there)."""
     problems: list[tuple[str, str]] = field(default_factory=list)
     unreadable: int = 0
     """How many of ``problems`` are storage calls that failed, not damage found."""
@@ -155,6 +158,8 @@ def verify_dir(
                 continue
             report.crc_checked += 1
             report.bytes_checked += entry.size
+            if mode == MODE_CHECKSUM:
+                report.read_in_full.append(entry.path)
             if crc != entry.crc32c:
                 report.problems.append(
                     (entry.path, f"crc32c of the bytes is {crc}, manifest says {entry.crc32c}")
