@@ -151,6 +151,10 @@ def test_what_cannot_be_imported_is_refused_with_the_reason_and_nothing_committe
 
     (tmp_path / "empty-3").mkdir()
     assert "not a stock DCP checkpoint" in refused(str(tmp_path / "empty-3"))
+    assert "nothing is there" in refused(str(tmp_path / "no-such-dir"))
+    (tmp_path / "other" / "sub").mkdir(parents=True)
+    (tmp_path / "other" / "sub" / "x.bin").write_bytes(b"x")
+    assert "nor a save_pretrained directory" in refused(str(tmp_path / "other"))
     assert "give the step with --step" in refused(_stock(tmp_path / "latest"))
 
     # A 1 KB checkpoint that declares a 4 GiB tensor never allocates it.

@@ -95,11 +95,18 @@ def import_stock_dcp(
             "followed): not imported"
         )
     files = {name: int(info.get("size", 0)) for name, info in listed.items()}
+    if not files:
+        raise StockImportError(
+            f"{source} is not a stock DCP checkpoint nor a save_pretrained directory: nothing "
+            "is there (no such directory, or an empty one); give the directory that dcp.save "
+            "or save_pretrained wrote"
+        )
     if not is_stock_dcp(files):
         raise StockImportError(
             f"{source} is not a stock DCP checkpoint: it needs {DCP_METADATA_NAME} and "
             "__<rank>_<n>.distcp files and no manifest.json or COMPLETE (a checkpoint of ours "
-            "needs no import)"
+            "needs no import); nor a save_pretrained directory (model.safetensors or "
+            "model.safetensors.index.json)"
         )
     step = step if step is not None else step_of(source)
     if step is None:
