@@ -66,7 +66,7 @@ class Mode:
     gcs_bytes: int
     """Checkpoint size for the gs:// rounds (the emulator keeps objects in memory)."""
     s3_bytes: int
-    """Checkpoint size for the s3:// rounds (moto keeps objects in memory)."""
+    """Checkpoint size for the s3:// rounds (SeaweedFS keeps them on local disk)."""
     train_steps: int
     """Steps per trainer / plain-loop run (trainer_overhead); the first 5 are warm-up."""
     elastic_jobs: bool
@@ -385,10 +385,10 @@ def _gcs(mode: Mode) -> list[m.Metric]:
 
 
 def _s3(mode: Mode) -> list[m.Metric]:
-    # imported here: moto and s3fs come with the bench extra only
-    from bench.harness.s3_server import s3_in_environ, start_s3_server
+    # imported here: SeaweedFS and s3fs come with the bench extra only
+    from bench.harness.seaweedfs import seaweedfs_in_environ, start_seaweedfs
 
-    with s3_in_environ(start_s3_server()) as server:
+    with seaweedfs_in_environ(start_seaweedfs()) as server:
         server.create_bucket("bench")
         raw = run_on_ranks(
             s3_rounds, RANKS, "bench", layer_width(mode.s3_bytes), mode.rounds,

@@ -16,7 +16,7 @@ DPI = 64
 """Small files (BENCHMARKS.md shows them): ~40-70 KB per curve at this resolution."""
 COLORS = {"ours": "tab:blue", "dcp": "tab:orange", "local": "tab:blue", "gcs": "tab:green",
           "s3": "tab:red"}  # fmt: skip
-LABELS = {"dcp": "DCP", "gcs": "GCS emulator", "s3": "S3 (moto)"}
+LABELS = {"dcp": "DCP", "gcs": "GCS emulator", "s3": "S3 (SeaweedFS)"}
 UNITS = {"s": "seconds", "ratio": "ratio", "bytes": "bytes", "calls": "calls"}
 
 

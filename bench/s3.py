@@ -1,11 +1,11 @@
-"""S3 metrics on a moto server process (bench/harness/s3_server.py), measured in the same rounds:
+"""S3 metrics on SeaweedFS (bench/harness/seaweedfs.py), measured in the same rounds:
 
 - ``s3_save_vs_put``: ``ckpt.save`` to ``s3://`` vs one botocore ``PutObject`` per rank
   of as many bytes (the client's defaults: what one upload of the same bytes costs);
 - ``s3_load_vs_get``: a cold ``ckpt.load`` of that checkpoint vs one ``GetObject`` per
   rank of the object ``PutObject`` wrote.
 
-``bench.__main__`` starts the server with :func:`bench.harness.s3_server.start_s3_server` (the
+``bench.__main__`` starts the server with :func:`bench.harness.seaweedfs.start_seaweedfs` (the
 starter the tests use) and puts its endpoint and test credentials into ``os.environ``
 before the ranks are spawned (they inherit them).
 """

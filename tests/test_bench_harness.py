@@ -854,12 +854,19 @@ def test_a_wheel_carries_what_the_bench_runs_and_the_bench_starts_from_it(tmp_pa
         names = archive.namelist()
         archive.extractall(site)
     assert "trainer/configs/tiny_gpt.toml" in names
-    harnesses = {"local_cluster", "gcs_emulator", "s3_server", "server_process", "ports"}
+    harnesses = {
+        "local_cluster",
+        "gcs_emulator",
+        "s3_server",
+        "seaweedfs",
+        "server_process",
+        "ports",
+    }
     assert {f"bench/harness/{h}.py" for h in harnesses} <= set(names)
     assert not [n for n in names if n.split("/")[0] in {"testing", "tests", "examples"}]
     code = (
         "import os, bench, bench.gpt, bench.harness.local_cluster, bench.harness.gcs_emulator\n"
-        "import bench.harness.s3_server\n"
+        "import bench.harness.s3_server, bench.harness.seaweedfs\n"
         "import trainer.config\n"
         "assert bench.__file__.startswith(os.environ['SITE']), bench.__file__\n"
         "cfg = trainer.config.load_config(bench.gpt.CONFIG)\n"

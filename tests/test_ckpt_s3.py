@@ -20,7 +20,9 @@ from test_ckpt_gcs import (
     assert_fsdp2_reshards,
     assert_loads,
     save_step_2_worker,
-    test_transient_fault_is_retried_and_commits,
+)
+from test_ckpt_gcs import (
+    test_transient_fault_is_retried_and_commits as transient_fault_is_retried_and_commits,
 )
 
 import ckpt
@@ -134,7 +136,7 @@ def test_a_save_puts_each_object_once_commits_last_and_renames_nothing(s3_server
 @pytest.mark.parametrize("phase", ["shard", "metadata", "manifest", "complete"])
 @pytest.mark.parametrize("kind", ["http429", "http503", "timeout", "reset", "truncate"])
 def test_a_transient_fault_is_retried_and_the_save_commits(s3_root, phase, kind):
-    test_transient_fault_is_retried_and_commits(s3_root, phase, kind)
+    transient_fault_is_retried_and_commits(s3_root, phase, kind)
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,43 @@ def s3_env(endpoint: str) -> dict[str, str]:
     }
 
 
-class S3Server(ServerProcess):
+class S3Store(ServerProcess):
+    """An S3 server process this process started (moto here, SeaweedFS in
+    :mod:`bench.harness.seaweedfs`): a client and bucket chores for the tests."""
+
+    def client(self) -> Any:
+        """A botocore S3 client for this server (test credentials, no retries)."""
+        import botocore.session
+        from botocore.config import Config
+
+        env = s3_env(self.endpoint)
+        return botocore.session.get_session().create_client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=REGION,
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            config=Config(retries={"total_max_attempts": 1}),
+        )
+
+    def empty_bucket(self, name: str) -> None:
+        """Delete every object and abort every multipart upload in bucket ``name``."""
+        client = self.client()
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=name, Delete={"Objects": keys})
+        for upload in client.list_multipart_uploads(Bucket=name).get("Uploads", []):
+            client.abort_multipart_upload(
+                Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"]
+            )
+
+    def create_bucket(self, name: str) -> None:
+        """Create bucket ``name`` (the servers take any credentials)."""
+        self.client().create_bucket(Bucket=name)
+
+
+class S3Server(S3Store):
     """One moto S3 server process this process started, with its fault and log controls."""
 
     def _control(self, name: str, payload: Any = None) -> Any:
@@ -94,40 +130,6 @@ class S3Server(ServerProcess):
     def reset(self) -> None:
         """Forget armed faults and the request log."""
         self._control("reset", {})
-
-    def client(self) -> Any:
-        """A botocore S3 client for this server (test credentials, no retries)."""
-        import botocore.session
-        from botocore.config import Config
-
-        env = s3_env(self.endpoint)
-        return botocore.session.get_session().create_client(
-            "s3",
-            endpoint_url=self.endpoint,
-            region_name=REGION,
-            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-            config=Config(retries={"total_max_attempts": 1}),
-        )
-
-    def empty_bucket(self, name: str) -> None:
-        """Delete every object and abort every multipart upload in bucket ``name``."""
-        client = self.client()
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                client.delete_objects(Bucket=name, Delete={"Objects": keys})
-        for upload in client.list_multipart_uploads(Bucket=name).get("Uploads", []):
-            client.abort_multipart_upload(
-                Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"]
-            )
-
-    def create_bucket(self, name: str) -> None:
-        """Create bucket ``name`` (a plain ``PUT /name``; moto takes any credentials)."""
-        request = urllib.request.Request(f"{self.endpoint}/{name}", data=b"", method="PUT")
-        with NO_PROXY_OPENER.open(request, timeout=10) as response:
-            if response.status != 200:
-                raise RuntimeError(f"creating bucket {name} on {self.endpoint}: {response.status}")
 
 
 def start_s3_server(*, port: int | None = None, ready_timeout_s: float = 30.0) -> S3Server:

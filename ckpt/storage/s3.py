@@ -403,11 +403,42 @@ class S3Client:
         """Exactly bytes ``[start, start + len(into))`` into ``into``."""
         end = start + into.nbytes - 1
         answer = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end}")
-        got = read_exactly_into(answer["Body"], into)
+        got = _fill_from(answer["Body"], into)
         if got != into.nbytes:
             raise WriteVerificationError(
                 f"s3://{bucket}/{key}: short read, asked bytes [{start}, {end + 1}) got {got}"
             )
+
+
+def _fill_from(body: Any, into: memoryview) -> int:
+    """Read a ``GetObject`` body into ``into``; how many bytes came.
+
+    botocore's ``readinto`` goes through urllib3's, which reads into a new bytes object
+    and copies it over: on a load that is one more pass over every byte, on the cores
+    that also verify and place them. Where the body is urllib3's response over
+    ``http.client`` with no content decoding, the bytes are read from ``http.client``
+    straight into ``into``, and the connection goes back to the pool once the response
+    is complete (urllib3 does the same when it reads to the end itself). Anything else
+    takes botocore's path.
+    """
+    raw = getattr(body, "_raw_stream", None)
+    response = getattr(raw, "_original_response", None)
+    if (
+        response is None
+        or not hasattr(response, "readinto")
+        or raw.headers.get("content-encoding") not in (None, "", "identity")
+    ):
+        return read_exactly_into(body, into)
+    try:
+        got = read_exactly_into(response, into)
+    except BaseException:
+        raw.close()  # part-read: the connection cannot be reused
+        raise
+    if response.isclosed():
+        raw.release_conn()
+    else:
+        raw.close()  # more bytes than asked for: drop the connection, not read them
+    return got
 
 
 class _Upload:
