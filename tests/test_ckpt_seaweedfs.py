@@ -54,12 +54,13 @@ def seaweedfs() -> Iterator[SeaweedServer]:
 
 @pytest.fixture
 def seaweed_root(seaweedfs: SeaweedServer) -> Iterator[str]:
-    """A fresh bucket on SeaweedFS; yields ``s3://<bucket>/ckpt``, emptied afterwards."""
+    """A fresh bucket on SeaweedFS; yields ``s3://<bucket>/ckpt``, deleted afterwards (a
+    bucket's volumes stay until then: docs/s3-server-notes.md)."""
     bucket = f"test-{uuid.uuid4().hex[:16]}"
     seaweedfs.create_bucket(bucket)
     yield f"s3://{bucket}/ckpt"
     if seaweedfs.is_running():
-        seaweedfs.empty_bucket(bucket)
+        seaweedfs.delete_bucket(bucket)
 
 
 # -- the server is the strict one the backend is written for -----------------------------

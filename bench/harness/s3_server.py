@@ -84,6 +84,11 @@ class S3Store(ServerProcess):
                 Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"]
             )
 
+    def delete_bucket(self, name: str) -> None:
+        """Empty bucket ``name``, then delete it (SeaweedFS frees its volumes with it)."""
+        self.empty_bucket(name)
+        self.client().delete_bucket(Bucket=name)
+
     def create_bucket(self, name: str) -> None:
         """Create bucket ``name`` (the servers take any credentials)."""
         self.client().create_bucket(Bucket=name)

@@ -38,8 +38,13 @@ READY_TIMEOUT_S = 60.0
 """Measured start: about 4 s on 2 cores (the master elects itself, the volume server
 registers, the filer connects); a loaded CI machine gets fifteen times that."""
 PROBE_BUCKET = "ckpt-seaweedfs-probe"
-VOLUME_LIMIT_MB = 1024
+VOLUME_LIMIT_MB = 256
 """Each volume file grows to at most this (SeaweedFS's default is 30 GB)."""
+MAX_VOLUMES = 1000
+"""Volumes the one volume server may hold. Each bucket is a collection that gets 7
+volumes on its first write; the automatic limit (from the free disk space) ran out after
+a dozen buckets ("No writable volumes and no free volumes left"). Volumes take disk
+only as they fill."""
 
 
 class SeaweedfsMissing(RuntimeError):
@@ -92,7 +97,7 @@ def _argv(weed: str, data_dir: str, s3_port: int) -> list[str]:
         f"-master.volumeSizeLimitMB={VOLUME_LIMIT_MB}",
         f"-volume.port={ports['volume']}",
         f"-volume.port.grpc={grpc['volume']}",
-        "-volume.max=0",
+        f"-volume.max={MAX_VOLUMES}",
         "-volume.preStopSeconds=0",
         f"-filer.port={ports['filer']}",
         f"-filer.port.grpc={grpc['filer']}",
