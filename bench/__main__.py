@@ -67,6 +67,8 @@ class Mode:
     """Checkpoint size for the gs:// rounds (the emulator keeps objects in memory)."""
     s3_bytes: int
     """Checkpoint size for the s3:// rounds (SeaweedFS keeps them on local disk)."""
+    replicated_bytes: int
+    """State every rank of the replicated group holds (read_amplification)."""
     train_steps: int
     """Steps per trainer / plain-loop run (trainer_overhead); the first 5 are warm-up."""
     elastic_jobs: bool
@@ -101,6 +103,7 @@ QUICK = Mode(
     persist_bytes=128 << 20,
     gcs_bytes=64 << 20,
     s3_bytes=32 << 20,
+    replicated_bytes=64 << 20,
     train_steps=15,
     elastic_jobs=False,
     silent_runs=0,
@@ -120,6 +123,7 @@ FULL = Mode(
     persist_bytes=1 << 30,
     gcs_bytes=256 << 20,
     s3_bytes=256 << 20,
+    replicated_bytes=512 << 20,
     train_steps=45,
     elastic_jobs=True,
     silent_runs=2,
@@ -397,6 +401,20 @@ def _s3(mode: Mode) -> list[m.Metric]:
     return m.s3_metrics(raw)
 
 
+def _replicated(mode: Mode) -> list[m.Metric]:
+    from bench.harness.seaweedfs import seaweedfs_in_environ, start_seaweedfs
+    from bench.replicated import RANKS as REPLICAS
+    from bench.replicated import replicated_rounds
+
+    with seaweedfs_in_environ(start_seaweedfs()) as server:
+        server.create_bucket("bench")
+        raw = run_on_ranks(
+            replicated_rounds, REPLICAS, "bench", mode.replicated_bytes, mode.rounds,
+            timeout_s=mode.timeout_s,
+        )[0]  # fmt: skip
+    return m.replicated_metrics(raw)
+
+
 def _memory(work: str, mode: Mode) -> list[m.Metric]:
     return m.memory_metrics(memory_tier.measure(work, mode.memory))
 
@@ -645,6 +663,7 @@ def tasks(
         ("loader", "loader randomness", lambda: loader_metrics()),
         ("export", "export rounds", lambda: _export(own("export"), mode)),
         ("curves", "cost curves", lambda: _curves(own("curves"), mode, plot_dir)),
+        ("replicated", "replicated state", lambda: _replicated(mode)),
     ]
 
 

@@ -50,6 +50,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     "curve_discovery_gcs": (2.0, "<="),
     "curve_discovery_s3": (2.0, "<="),
     "curve_save_memory": (0.5, "<="),
+    "read_amplification": (1.05, "<="),
+    "read_once_load_vs_each": (1.0, "<="),
 }
 """The one table of metrics: name -> (target, direction), in report order.
 
@@ -89,6 +91,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "curve_discovery_s3",
         "curve_save_memory",
     ),
+    "replicated": ("read_amplification", "read_once_load_vs_each"),
 }
 """Measurement groups (``python -m bench --only``), in run order, and the metrics each yields."""
 
@@ -449,6 +452,37 @@ def gcs_metrics(raw: dict[str, Any]) -> list[Metric]:
     where = "one object per rank, 2 ranks in parallel, fake-gcs-server"
     save = store_save_metric("gcs_save_vs_pipe", raw, "pipe", f"gcsfs pipe of {where}")
     return [save, store_load_metric("gcs_load_vs_cat", raw, "cat", f"gcsfs cat of {where}")]
+
+
+def replicated_metrics(raw: dict[str, Any]) -> list[Metric]:
+    """read_amplification and read_once_load_vs_each (:mod:`bench.replicated`); round 0 is
+    a warm-up."""
+    size = raw["checkpoint_bytes"]
+    once, each = raw["once_s"][1:], raw["each_s"][1:]
+    amplification = _median([b / size for b in raw["once_bytes"][1:]])
+    where = f"{raw['ranks']} ranks holding the same state (DDP), SeaweedFS"
+    detail = {
+        "checkpoint_bytes": size,
+        "read_once_bytes": raw["once_bytes"][1:],
+        "read_by_each_bytes": raw["each_bytes"][1:],
+        "read_by_each_amplification": _r(_median([b / size for b in raw["each_bytes"][1:]])),
+        "once_samples_s": [_r(x) for x in once],
+        "each_samples_s": [_r(x) for x in each],
+        "setting": where,
+    }
+    ratio = _median(once) / _median(each) if once and each else math.nan
+    return [
+        Metric(name="read_amplification", value=amplification, detail=detail),
+        Metric(
+            name="read_once_load_vs_each",
+            value=ratio,
+            detail={
+                "once_median_s": _r(_median(once)),
+                "each_median_s": _r(_median(each)),
+                "setting": where,
+            },
+        ),
+    ]
 
 
 def s3_metrics(raw: dict[str, Any]) -> list[Metric]:

@@ -36,6 +36,9 @@ _SUMMARY_KEYS = (
     "mean_s_between_faults",
     "baseline_goodput",
     "cache_drop",
+    "read_by_each_amplification",
+    "once_median_s",
+    "each_median_s",
     "status",
 )
 

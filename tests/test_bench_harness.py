@@ -64,6 +64,8 @@ SPEC = [
     ("curve_discovery_gcs", 2.0, "<="),
     ("curve_discovery_s3", 2.0, "<="),
     ("curve_save_memory", 0.5, "<="),
+    ("read_amplification", 1.05, "<="),
+    ("read_once_load_vs_each", 1.0, "<="),
 ]
 
 
@@ -89,7 +91,7 @@ def test_targets_table_is_the_issue_table_in_its_order():
 def test_groups_split_the_table_exactly_once():
     assert list(m.GROUPS) == [
         "save", "load", "async", "overhead", "gcs", "s3", "memory", "elastic", "rendezvous",
-        "loader", "export", "curves",
+        "loader", "export", "curves", "replicated",
     ]  # fmt: skip
     grouped = [name for names in m.GROUPS.values() for name in names]
     assert sorted(grouped) == sorted(m.TARGETS)
@@ -898,3 +900,18 @@ def test_bench_exits_non_zero_when_a_group_fails_to_produce_its_metrics(
     assert b.main(["--quick", "--only", "rendezvous", "--dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "group rendezvous failed to produce its metrics: rendezvous simulation" in out
+
+
+def test_replicated_metrics_divide_bytes_read_by_the_checkpoints_and_time_by_time():
+    raw = {
+        "checkpoint_bytes": 1000,
+        "ranks": 4,
+        "once_s": [9.0, 1.0, 3.0, 2.0],  # round 0 is a warm-up
+        "each_s": [9.0, 4.0, 4.0, 4.0],
+        "once_bytes": [9999, 1010, 1000, 1020],
+        "each_bytes": [9999, 4000, 4000, 4000],
+    }
+    amplification, ratio = m.replicated_metrics(raw)
+    assert amplification.name == "read_amplification" and amplification.value == 1.01
+    assert amplification.detail["read_by_each_amplification"] == 4.0
+    assert ratio.name == "read_once_load_vs_each" and ratio.value == 0.5 and ratio.ok

@@ -18,6 +18,7 @@ crc32c in the manifest is never used.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,7 @@ from ckpt.format.dcp_metadata import MAX_METADATA_BYTES, check_metadata, decode_
 from ckpt.format.layout import DCP_METADATA_NAME
 from ckpt.format.manifest import Manifest
 from ckpt.format.tensorblob import view_tensor
+from ckpt.loading import read_once
 from ckpt.storage import FILE, Storage
 
 # Coalesce neighbouring items into one ranged request up to this many bytes.
@@ -128,10 +130,15 @@ class ShardReader(StorageReader):
     ``bytes_read`` counts the bytes this rank fetched.
     """
 
-    def __init__(self, ckpt_dir: Storage, manifest: Manifest) -> None:
+    def __init__(
+        self, ckpt_dir: Storage, manifest: Manifest, *, collective: Any = None
+    ) -> None:
         super().__init__()
         self.ckpt_dir = ckpt_dir
         self.manifest = manifest
+        self.collective = collective
+        """The load's :class:`~ckpt.dist.Collective`: with one of 2+ ranks on gloo, items
+        every rank loads are read once (:mod:`ckpt.loading.read_once`)."""
         self.storage_data: dict[Any, Any] = {}
         self.bytes_read = 0
         self._metadata: Metadata | None = None
@@ -204,11 +211,61 @@ class ShardReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        if not self._reads_once():
+            return plans
+        span_bytes, _ = self.ckpt_dir.read_pipeline()
+        shared = read_once.plan_shared_reads(
+            plans,
+            self._extent,
+            lambda extents: coalesce_extents(extents, span_bytes or MAX_READ_SPAN_BYTES),
+        )
+        if shared is None:
+            return plans
+        return [dataclasses.replace(plan, storage_data=shared) for plan in plans]
+
+    def _reads_once(self) -> bool:
+        coll = self.collective
+        if coll is None or not read_once.usable(coll.group):
+            return False
+        chosen = self.ckpt_dir.options.read_once
+        return chosen if chosen is not None else self.ckpt_dir.read_pipeline()[1] > 1
+
+    def _extent(self, item: ReadItem) -> tuple[str, int, int]:
+        info = self.storage_data[item.storage_index]
+        return info.relative_path, info.offset, info.length
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        shared = plan.storage_data
+        if not isinstance(shared, read_once.SharedReads):
+            self._read_items(plan.items, planner)
+        else:
+            own = [i for i in plan.items if self._extent(i)[:2] not in shared.members]
+            exchanged = [i for i in plan.items if self._extent(i)[:2] in shared.members]
+            failed: BaseException | None = None
+            try:
+                self._read_items(own, planner)
+            except Exception as exc:  # the exchange below still needs this rank
+                failed = exc
+            self.bytes_read += read_once.exchange(
+                shared,
+                exchanged,
+                lambda item: self._extent(item)[:2],
+                group=self.collective.group,
+                rank=self.collective.rank,
+                read_into=self.ckpt_dir.read_range_into,
+                use=lambda path, start, view, items: self._use_span(
+                    path, start, view, items, planner
+                ),
+                url=self.ckpt_dir.root_url,
+                failed=failed,
+            )
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_items(self, items: list[ReadItem], planner: LoadPlanner) -> None:
         per_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
+        for item in items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
                 item
             )
@@ -227,9 +284,7 @@ class ShardReader(StorageReader):
             )
         if depth > 1:
             self._read_pipelined(spans, depth, planner)
-            future: Future[None] = Future()
-            future.set_result(None)
-            return future
+            return
         # One span is read ahead while the previous one is verified and decoded, so
         # the disk (or network) and the CPU work overlap; at most two spans in memory.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-read-ahead") as pool:
@@ -241,9 +296,6 @@ class ShardReader(StorageReader):
                     pool.submit(self._read_span, *spans[i + 1][:3]) if i + 1 < len(spans) else None
                 )
                 self._use_span(path, start, data, span_items, planner)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
 
     def _read_pipelined(
         self, spans: list[tuple[str, int, int, list[ReadItem]]], depth: int, planner: LoadPlanner

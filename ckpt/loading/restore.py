@@ -181,7 +181,7 @@ def load_in(
                     )
                 uncommitted.append(candidate)
                 continue
-            reader = ShardReader(ckpt_dir, manifest)
+            reader = ShardReader(ckpt_dir, manifest, collective=coll)
             # Every rank reads (and keeps) the metadata; only the outcome travels (the
             # Metadata itself, gathered, was pickled to every rank world-size times).
             coll.on_every_rank(

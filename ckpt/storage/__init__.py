@@ -104,6 +104,13 @@ class StorageOptions:
     Backends without tuning ignore it."""
     gcs: Any = None
     """For ``gs://`` roots, the same as ``transfer`` (which wins when both are set)."""
+    read_once: bool | None = None
+    """Loads on 2+ ranks: items every rank loads (replicated state: all of it under DDP)
+    are read from storage by one rank each and broadcast to the others over the
+    checkpoint group, each still checked against its crc32c on every rank
+    (:mod:`ckpt.loading.read_once`). ``None``: on for object stores, where each rank's
+    read is requests, egress and bandwidth; off for local and mounted paths, where the
+    page cache serves every rank faster than a broadcast. ``True``/``False`` force it."""
     faults: faults.FaultRegistry | None = field(default=None, compare=False, repr=False)
     """Storage fault injection for these calls (``None``: the one-off functions' registry,
     ``ckpt.defaults``). Consulted only while it has a fault armed."""

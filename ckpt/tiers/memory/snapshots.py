@@ -100,9 +100,12 @@ class MemorySnapshots:
             self.timings["assemble_s"] = time.monotonic() - started
             try:
                 # A snapshot assembled for this rank under a ckptmem:// root (node-local
-                # maps and shipped ranges; no storage faults): the same verified load.
+                # maps and shipped ranges; no storage faults): the same verified load. Each
+                # rank's snapshot is already in its own memory: nothing to read once.
                 session = self._saves.session.emitting(self._saves.sink(tier=self.name))
-                node_local = StorageOptions(fsync=False, faults=FaultRegistry(read_env=False))
+                node_local = StorageOptions(
+                    fsync=False, read_once=False, faults=FaultRegistry(read_env=False)
+                )
                 result = load_in(
                     session.storing(node_local), template, assembled.url, step=cand.step
                 )
