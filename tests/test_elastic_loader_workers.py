@@ -42,12 +42,22 @@ def say(**fields):
     print(json.dumps(fields), flush=True)
 
 
+def no_torch_parent_check(worker_id):
+    # torch's worker notices a dead parent on its own within 5 s; push that out of reach so
+    # the "wait" mode measures only the shield's own following of the parent
+    from torch.utils.data._utils import worker
+    worker.MP_STATUS_CHECK_INTERVAL = 600.0
+
+
 if __name__ == "__main__":
     method, shield, mode = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
     if shield:
         shield_loader_workers()
     handler = PreemptionHandler(grace_s=30)
-    loader = DataLoader(Slow(), batch_size=4, num_workers=2, multiprocessing_context=method)
+    init = no_torch_parent_check if mode == "wait" else None
+    loader = DataLoader(
+        Slow(), batch_size=4, num_workers=2, multiprocessing_context=method, worker_init_fn=init
+    )
     say(starting=True)  # mode "early": the signal comes while the workers start
     batches = iter(loader)
     first = next(batches)
@@ -181,7 +191,9 @@ def test_the_loaders_own_terminate_still_ends_a_worker(tmp_path, method):
 def test_after_a_foreign_sigterm_workers_leave_with_their_parent(tmp_path, method):
     """A SIGTERM from elsewhere leaves a worker running while its parent runs; once the
     parent is gone (here SIGKILLed, as torchrun does after the grace period) it leaves
-    within a fraction of a second, not after torch's 5 s parent check."""
+    by the shield's own check of its parent (every FOLLOW_POLL_S): torch's own check is
+    pushed to 600 s in this mode, so a bound well above 0.05 s still proves it and a
+    loaded machine's scheduling cannot fail it."""
     proc = start(tmp_path, method, shield=True, mode="wait")
     workers = read_until(proc, "workers")["workers"]
     for pid in workers:
@@ -191,7 +203,7 @@ def test_after_a_foreign_sigterm_workers_leave_with_their_parent(tmp_path, metho
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
     try:
-        assert gone_within(workers, 2.0), "loader workers outlived their parent"
+        assert gone_within(workers, 20.0), "loader workers outlived their parent"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # what is left of its group
