@@ -52,7 +52,7 @@ def test_every_module_is_named_in_its_room_of_the_layout_map():
 
 def test_every_room_of_the_packages_has_an_entry():
     entries = layout_entries()
-    for package in ("ckpt", "elastic", "runcore", "warmstart", "trainer"):
+    for package in ("ckpt", "elastic", "runcore", "warmstart", "trainer", "integrations"):
         for dirpath, dirnames, filenames in os.walk(os.path.join(REPO, package)):
             dirnames[:] = [d for d in dirnames if not d.startswith("__") and d != "configs"]
             if any(f.endswith(".py") and f[:-3] not in SKIP for f in filenames):

@@ -23,7 +23,8 @@ from runcore import events as ev
 from runcore.faultspec import split_fault_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-REPO_PACKAGES = {"ckpt", "elastic", "trainer", "bench", "testing", "warmstart", "runcore", "tests"}
+REPO_PACKAGES = {"ckpt", "elastic", "trainer", "bench", "testing", "warmstart", "runcore", "tests",
+                 "integrations"}  # fmt: skip
 
 
 def _imports(package: str) -> dict[str, set[str]]:
@@ -45,6 +46,17 @@ def _imports(package: str) -> dict[str, set[str]]:
 def test_ckpt_never_imports_elastic_trainer_or_testing() -> None:
     bad = {f: n & {"elastic", "trainer", "testing"} for f, n in _imports("ckpt").items()}
     assert not {f: n for f, n in bad.items() if n}, bad
+
+
+@pytest.mark.timeout(30)
+def test_integrations_rest_on_ckpt_and_elastic_and_nothing_imports_them() -> None:
+    # A plug-in is a user of the public API; its framework (Lightning...) stays optional
+    for name, imported in _imports("integrations").items():
+        inside = imported & REPO_PACKAGES
+        assert inside <= {"ckpt", "elastic", "integrations"}, f"integrations/{name}: {inside}"
+    for package in ("ckpt", "elastic", "trainer", "runcore", "warmstart", "bench"):
+        users = [f for f, n in _imports(package).items() if "integrations" in n]
+        assert not users, f"{package} imports integrations: {users}"
 
 
 @pytest.mark.timeout(30)
