@@ -31,7 +31,8 @@ fi
 # reference run, so they stay together.
 A=(tests/e2e/test_elastic_e2e.py tests/e2e/test_warmstart_e2e.py tests/e2e/test_slurm_e2e.py
     tests/e2e/test_retention_e2e.py tests/e2e/test_quarantine_e2e.py tests/e2e/test_dropout_e2e.py
-    tests/e2e/test_startup_e2e.py tests/e2e/test_netns_e2e.py tests/e2e/test_lightning_e2e.py)
+    tests/e2e/test_startup_e2e.py tests/e2e/test_netns_e2e.py tests/e2e/test_lightning_e2e.py
+    tests/e2e/test_hf_trainer_e2e.py)
 log=$(mktemp "${TMPDIR:-/tmp}/tests-a.XXXXXX")
 set -m  # A in its own process group: an interrupt reaches it through the trap below
 "${PYTEST[@]}" --durations=20 "${A[@]}" >"$log" 2>&1 &
