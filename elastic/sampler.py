@@ -183,18 +183,11 @@ class ElasticSampler(Sampler[int]):
             world_size = dist.get_world_size() if dist.is_initialized() else 1
         if rank is None:
             rank = dist.get_rank() if dist.is_initialized() else 0
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-        if global_batch % world_size:
-            raise ValueError(
-                f"global_batch={global_batch} is not divisible by world_size={world_size}; "
-                f"use a multiple of it (e.g. {batch_size_suggestion(global_batch, world_size)}), "
-                "or of every world size you run on"
-            )
         self.order = GlobalOrder(dataset_len, seed)
         self.global_batch = global_batch
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = 0
+        self.world_size = 1
+        self.bind(rank, world_size)
         self.allow_batch_change = allow_batch_change
         self.cursor = 0
         """Global samples consumed by the whole job (advanced by :meth:`advance`, or by
@@ -218,6 +211,26 @@ class ElasticSampler(Sampler[int]):
         self._unseeded_workers = 0
         self._said_unseeded = False
         positions.register(self)
+
+    def bind(self, rank: int, world_size: int) -> None:
+        """Set this rank's place in the job (checked as at construction).
+
+        For a sampler built before the process group existed (a framework's trainer
+        starts it inside ``fit``), so it took rank 0 of 1: the plug-ins of
+        :mod:`integrations` bind it to the trainer's rank and world size before the first
+        batch. The cursor, and so the data position, does not change.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if self.global_batch % world_size:
+            raise ValueError(
+                f"global_batch={self.global_batch} is not divisible by world_size={world_size}; "
+                f"use a multiple of it (e.g. "
+                f"{batch_size_suggestion(self.global_batch, world_size)}), "
+                "or of every world size you run on"
+            )
+        self.rank = rank
+        self.world_size = world_size
 
     @property
     def local_batch(self) -> int:

@@ -100,10 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         strategy = pl.strategies.ModelParallelStrategy(
             data_parallel_size=world, tensor_parallel_size=1
         )
-    sampler = elastic.ElasticSampler(  # [ckpt] the data position, on any world size
-        len(dataset), args.global_batch, seed=0, rank=int(os.environ.get("RANK", "0")),
-        world_size=world,
-    )  # fmt: skip
+    # [ckpt] the data position, on any world size (bound to the trainer's rank in fit)
+    sampler = elastic.ElasticSampler(len(dataset), args.global_batch, seed=0)
     callback = ElasticCheckpoints(  # [ckpt]
         args.ckpt_dir, every=args.ckpt_every, sampler=sampler, faults=args.fault
     )
@@ -114,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
         strategy=strategy,
         max_steps=args.max_steps,
         callbacks=[callback],  # [ckpt]
-        use_distributed_sampler=False,  # [ckpt] the sampler is the data position
         enable_checkpointing=False,  # [ckpt] ours replaces ModelCheckpoint
         logger=False,
         enable_progress_bar=False,

@@ -34,7 +34,6 @@ gradient scaler (fp16) and an optimizer or scheduler of a kind this callback doe
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -42,6 +41,8 @@ from transformers import Trainer, TrainerCallback
 
 import elastic
 from ckpt import CheckpointManager, CheckpointOptions, StorageOptions
+from elastic.sampler import EpochLoader
+from integrations.steps import GuardedSteps
 
 __all__ = ["ElasticCheckpoints", "TrainerProgress"]
 
@@ -71,9 +72,10 @@ class ElasticCheckpoints(TrainerCallback):
     ``root``: a local path, ``gs://`` or ``s3://`` URL. ``options``: a
     :class:`ckpt.CheckpointOptions` or its fields as keywords (``every=50,
     async_save=True``...), not both. ``sampler``: the :class:`elastic.ElasticSampler`
-    behind the loader given to :meth:`attach`. ``faults``: fault specs of
-    :mod:`elastic.faults`, steps being the Trainer's global steps. ``guard``: keyword
-    arguments of :class:`elastic.RunGuard`. ``extra_state``: more entries for the
+    whose ``epoch_loader`` is given to :meth:`attach` (built before the process group
+    exists, it is bound to the trainer's rank and world size there). ``faults``: fault
+    specs of :mod:`elastic.faults`, steps being the Trainer's global steps. ``guard``:
+    keyword arguments of :class:`elastic.RunGuard`. ``extra_state``: more entries for the
     checkpoint's state dict.
     """
 
@@ -91,37 +93,42 @@ class ElasticCheckpoints(TrainerCallback):
         on_event: Any = None,
         **option_kwargs: Any,
     ) -> None:
-        if not callable(getattr(sampler, "epoch_loader", None)):
+        if not isinstance(sampler, elastic.ElasticSampler):
             raise TypeError(
                 f"sampler must be an elastic.ElasticSampler (the data position), got "
                 f"{type(sampler).__name__}"
             )
-        self.root = root
-        self.options = CheckpointOptions.resolve(options, option_kwargs)
-        self.sampler = sampler
-        self.faults = [faults] if isinstance(faults, str) else list(faults or ())
-        self.guard_kwargs = dict(guard or {})
-        self.extra_state = dict(extra_state or {})
-        self.storage_options = storage_options
-        self.seed = seed
-        self.on_event = on_event
+        self.steps = GuardedSteps(
+            root, options=options, sampler=sampler, faults=faults, guard=guard,
+            extra_state=extra_state, storage_options=storage_options, seed=seed,
+            on_event=on_event, **option_kwargs,
+        )  # fmt: skip
         self.trainer: Trainer | None = None
-        self.manager: CheckpointManager | None = None
+
+    @property
+    def manager(self) -> CheckpointManager | None:
         """The run's manager, from ``on_train_begin`` to ``on_train_end``."""
-        self.guard: elastic.RunGuard | None = None
-        self.resumed_step: int | None = None
+        return self.steps.manager
+
+    @property
+    def resumed_step(self) -> int | None:
         """The global step the run resumed from (None: a fresh start)."""
-        self._offered_step = -1
-        self._step_started = 0.0
+        return self.steps.resumed_step
 
     def attach(self, trainer: Trainer, loader: Any) -> ElasticCheckpoints:
         """Add this callback to ``trainer`` and train it on ``loader`` (the sampler's
         ``epoch_loader``): the one call a script adds after building its Trainer."""
-        if getattr(loader, "sampler", None) is not self.sampler:
+        sampler = self.steps.sampler
+        assert sampler is not None
+        if not isinstance(loader, EpochLoader) or loader.sampler is not sampler:
             raise ValueError(
-                "the loader is not this callback's sampler's: pass "
-                "sampler.epoch_loader(dataset, ...) of the sampler given to ElasticCheckpoints"
+                f"the loader ({type(loader).__name__}) is not this callback's sampler's "
+                "epoch loader: pass sampler.epoch_loader(dataset, ...) of the sampler given "
+                "to ElasticCheckpoints"
             )
+        rank, world = trainer.args.process_index, trainer.args.world_size
+        if (sampler.rank, sampler.world_size) != (rank, world):
+            sampler.bind(rank, world)
         self.trainer = trainer
         trainer.add_callback(self)
         trainer.get_train_dataloader = lambda: _EpochLoaderForTrainer(loader)  # type: ignore[method-assign]
@@ -133,18 +140,13 @@ class ElasticCheckpoints(TrainerCallback):
         """The checkpoint's state dict: what this callback saves and resumes."""
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
         scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
-        state: dict[str, Any] = {
+        own = {
             "model": trainer.model,
             "optim": optimizer,
             "sched": scheduler,
-            "sampler": self.sampler,
             "trainer": TrainerProgress(trainer),
         }
-        clash = sorted(set(state) & set(self.extra_state))
-        if clash:
-            raise ValueError(f"extra_state names {clash}, which the Trainer state uses")
-        state.update(self.extra_state)
-        return state
+        return self.steps.state("Trainer", own)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
@@ -156,31 +158,14 @@ class ElasticCheckpoints(TrainerCallback):
         if state.is_world_process_zero:
             for what in self.not_kept(trainer):
                 logger.warning("ElasticCheckpoints: %s", what)
-        self.manager = CheckpointManager(
-            self.root,
-            self.state_of(trainer),
-            options=self.options,
-            seed=self.seed,
-            storage_options=self.storage_options,
-            on_event=self.on_event,
-        )
-        self.guard = elastic.RunGuard(
-            saver=self.manager, faults=self.faults, on_event=self.on_event, **self.guard_kwargs
-        )
-        self.guard.__enter__()
-        try:
-            self.resumed_step = self.manager.resume()
-        except BaseException as exc:
-            self._close(exc)
-            raise
-        if self.resumed_step is not None:
+        self.steps.open(self.state_of(trainer))
+        if self.steps.resume() is not None:
             # The Trainer set these from step 0 before this hook: its logged loss averages
             # over the steps since the last log, its train_loss over the steps of this
             # call, and a resume moved both starting points.
             trainer._globalstep_last_logged = state.global_step
             trainer._initial_global_step = state.global_step
-        self._offered_step = state.global_step
-        self._before(state.global_step + 1)
+        self.steps.start(state.global_step)
 
     def not_kept(self, trainer: Trainer) -> list[str]:
         """What the Trainer keeps in its own checkpoints that this callback's state does not."""
@@ -192,8 +177,9 @@ class ElasticCheckpoints(TrainerCallback):
                 f"checkpoints under {args.output_dir}, which a resume does not read; set "
                 "TrainingArguments(save_strategy='no')"
             )
+        kept = [id(value) for value in self.steps.extra_state.values()]
         for callback in trainer.callback_handler.callbacks:
-            if callback is self:
+            if callback is self or id(callback) in kept:
                 continue
             if callable(getattr(callback, "state", None)) and callback.state():
                 missing.append(
@@ -206,45 +192,12 @@ class ElasticCheckpoints(TrainerCallback):
 
     # -- steps ---------------------------------------------------------------------------
 
-    def _before(self, step: int) -> None:
-        """The guard's hooks before ``step`` (faults, then the preemption agreement), run at
-        the end of the step before: there the state is the one a checkpoint records."""
-        if self.guard is None:
-            return
-        try:
-            self.guard.before_step(step)
-        except BaseException as exc:  # a preemption's exit, an injected fault
-            self._close(exc)
-            raise
-        self._step_started = time.perf_counter()
-
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        step = state.global_step
-        if self.manager is None or step == self._offered_step:
-            return
-        self._offered_step = step
-        if self.guard is not None:
-            self.guard.after_step(step, time.perf_counter() - self._step_started)
-        final = state.max_steps > 0 and step >= state.max_steps
-        self.manager.maybe_save(step, final=final)
-        if not final:
-            self._before(step + 1)
+        self.steps.after(state.global_step, last_step=state.max_steps)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.manager is not None and state.global_step > 0:
-            if self.manager.last_committed_step != state.global_step:
-                self.manager.wait()  # an async save of this very step commits it
-            if self.manager.last_committed_step != state.global_step:
-                self.manager.maybe_save(state.global_step, final=True)
-        self._close(None)
-
-    def _close(self, failure: BaseException | None) -> None:
-        guard, manager = self.guard, self.manager
-        self.guard = self.manager = None
-        if guard is not None:  # closes the manager first; notes an error a restart repeats
-            guard.__exit__(type(failure) if failure else None, failure, None)
-        if manager is not None:
-            manager.close()
+        self.steps.finish(state.global_step)
+        self.steps.close(None)
 
 
 class _EpochLoaderForTrainer:

@@ -5,7 +5,7 @@
     sampler = elastic.ElasticSampler(len(dataset), global_batch=32, seed=0)
     loader = sampler.epoch_loader(dataset)            # the data position, on any world size
     trainer = pl.Trainer(
-        strategy="ddp", max_steps=1000, use_distributed_sampler=False,
+        strategy="ddp", max_steps=1000,
         enable_checkpointing=False,                    # ours replaces ModelCheckpoint
         callbacks=[ElasticCheckpoints("gs://bucket/run1", every=50, sampler=sampler)],
     )
@@ -26,10 +26,16 @@ too; the end of training saves the final step, and ``teardown`` (or ``on_excepti
 closes both.
 
 What Lightning keeps and this state does not is said at WARNING when the fit starts:
-other callbacks' state (``ModelCheckpoint``, ``EarlyStopping``...), a datamodule's
-``state_dict``, a precision plug-in's state (a ``GradScaler``), a training loader whose
-position is not the given sampler (Lightning would replay the epoch's first batches), and
-``use_distributed_sampler=True`` with a sampler (Lightning would replace it).
+Lightning's own ``ModelCheckpoint`` still on, other callbacks' state (``EarlyStopping``...)
+unless given in ``extra_state``, a datamodule's ``state_dict``, a precision plug-in's
+state (a ``GradScaler``), no sampler (a resume would replay the epoch's first batches).
+Refused before the first step: ``fit(ckpt_path=...)`` (a second checkpoint restored over
+the one resumed), a training loader that is not the given sampler's ``epoch_loader`` (its
+position would not move), and an epoch loader whose sampler was not given.
+
+Lightning's global step counts optimizer steps: a manual-optimization module that steps
+two optimizers per batch moves it by 2, and the checkpoint policy and fault steps count
+the same way.
 
 Exact resume needs what exact resume always needs: ``seed_everything`` before the model
 is built, deterministic data (the sampler's epoch loader) and a model whose forward
@@ -39,7 +45,6 @@ draws randomness only from the RNG the manager saves (``rng=True``: each rank's)
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -48,6 +53,8 @@ import pytorch_lightning as pl
 
 import elastic
 from ckpt import CheckpointManager, CheckpointOptions, StorageOptions
+from elastic.sampler import EpochLoader
+from integrations.steps import GuardedSteps
 
 __all__ = ["ElasticCheckpoints", "LoopProgress"]
 
@@ -88,11 +95,13 @@ class ElasticCheckpoints(pl.Callback):
 
     ``root``: a local path, ``gs://`` or ``s3://`` URL. ``options``: a
     :class:`ckpt.CheckpointOptions` or its fields as keywords (``every=50,
-    async_save=True``...), not both. ``sampler``: an :class:`elastic.ElasticSampler`
-    (kept in the checkpoint: the data position). ``faults``: fault specs of
-    :mod:`elastic.faults` (drills and tests), steps being Lightning's global steps.
-    ``guard``: keyword arguments of :class:`elastic.RunGuard` (``grace_s``,
-    ``watchdog_s``...). ``extra_state``: more entries for the checkpoint's state dict.
+    async_save=True``...), not both. ``sampler``: an :class:`elastic.ElasticSampler` whose
+    ``epoch_loader`` the fit trains on (kept in the checkpoint: the data position; built
+    before the process group exists, it is bound to the trainer's rank and world size).
+    ``faults``: fault specs of :mod:`elastic.faults` (drills and tests), steps being
+    Lightning's global steps. ``guard``: keyword arguments of :class:`elastic.RunGuard`
+    (``grace_s``, ``watchdog_s``...). ``extra_state``: more entries for the checkpoint's
+    state dict (another callback's state, for one).
     """
 
     def __init__(
@@ -109,84 +118,78 @@ class ElasticCheckpoints(pl.Callback):
         on_event: Any = None,
         **option_kwargs: Any,
     ) -> None:
-        self.root = root
-        self.options = CheckpointOptions.resolve(options, option_kwargs)
-        self.sampler = sampler
-        self.faults = [faults] if isinstance(faults, str) else list(faults or ())
-        self.guard_kwargs = dict(guard or {})
-        self.extra_state = dict(extra_state or {})
-        self.storage_options = storage_options
-        self.seed = seed
-        self.on_event = on_event
-        self.manager: CheckpointManager | None = None
+        self.steps = GuardedSteps(
+            root, options=options, sampler=sampler, faults=faults, guard=guard,
+            extra_state=extra_state, storage_options=storage_options, seed=seed,
+            on_event=on_event, **option_kwargs,
+        )  # fmt: skip
+
+    @property
+    def manager(self) -> CheckpointManager | None:
         """The run's manager, from ``on_fit_start`` to ``teardown``."""
-        self.guard: elastic.RunGuard | None = None
-        self.resumed_step: int | None = None
+        return self.steps.manager
+
+    @property
+    def resumed_step(self) -> int | None:
         """The global step the fit resumed from (None: a fresh start)."""
-        self._offered_step = -1
-        self._final_offered = False
-        self._step_started = 0.0
+        return self.steps.resumed_step
 
     # -- start ---------------------------------------------------------------------------
 
     def state_of(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """The checkpoint's state dict: what this callback saves and resumes."""
-        state: dict[str, Any] = {"model": pl_module, "loop": LoopProgress(trainer)}
+        own: dict[str, Any] = {"model": pl_module, "loop": LoopProgress(trainer)}
         for i, optimizer in enumerate(trainer.optimizers):
-            state[f"optim{i}" if i else "optim"] = optimizer
+            own[f"optim{i}" if i else "optim"] = optimizer
         for i, config in enumerate(trainer.lr_scheduler_configs):
-            state[f"sched{i}" if i else "sched"] = config.scheduler
-        if self.sampler is not None:
-            state["sampler"] = self.sampler
-        clash = sorted(set(state) & set(self.extra_state))
-        if clash:
-            raise ValueError(f"extra_state names {clash}, which the Lightning state uses")
-        state.update(self.extra_state)
-        return state
+            own[f"sched{i}" if i else "sched"] = config.scheduler
+        return self.steps.state("Lightning", own)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        state = self.state_of(trainer, pl_module)
-        if self.sampler is not None:  # the sampler is the loader's position: it resumes
+        if trainer.ckpt_path is not None:  # read by Lightning already; nothing trained yet
+            raise ValueError(
+                f"trainer.fit(ckpt_path={trainer.ckpt_path!r}) with ElasticCheckpoints: the "
+                f"callback resumes by itself from {self.steps.root}, and Lightning would "
+                "restore a second checkpoint over it; drop ckpt_path (to start from a "
+                "Lightning .ckpt, load its state_dict into the model before fit)"
+            )
+        sampler = self.steps.sampler
+        if sampler is not None:
+            # the sampler is the loader's position: it resumes (Lightning's warning is not true)
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE, module="pytorch_lightning")
+            if (sampler.rank, sampler.world_size) != (trainer.global_rank, trainer.world_size):
+                sampler.bind(trainer.global_rank, trainer.world_size)
         if trainer.is_global_zero:
             for what in self.not_kept(trainer):
                 logger.warning("ElasticCheckpoints: %s", what)
-        self.manager = CheckpointManager(
-            self.root,
-            state,
-            options=self.options,
-            seed=self.seed,
-            storage_options=self.storage_options,
-            on_event=self.on_event,
-        )
-        # Built now (it checks for a repeated error and shields loader workers before they
-        # start), entered at on_train_start: after Lightning installed its SIGTERM handler,
-        # so the guard's replaces it while training runs (Lightning's would end the fit at
-        # the batch's end with no emergency checkpoint, after a collective in the handler).
-        self.guard = elastic.RunGuard(
-            saver=self.manager, faults=self.faults, on_event=self.on_event, **self.guard_kwargs
-        )
-        self.resumed_step = self.manager.resume()
-        if self.resumed_step is not None and self.resumed_step != trainer.global_step:
+        self.steps.open(self.state_of(trainer, pl_module))
+        step = self.steps.resume()
+        if step is not None and step != trainer.global_step:
             raise RuntimeError(
-                f"the checkpoint of step {self.resumed_step} put Lightning's loop at global "
-                f"step {trainer.global_step}: the loop progress and the step disagree"
+                f"the checkpoint of step {step} put Lightning's loop at global step "
+                f"{trainer.global_step}: the loop progress and the step disagree"
             )
-        self._offered_step = trainer.global_step
 
     def not_kept(self, trainer: pl.Trainer) -> list[str]:
         """What Lightning keeps in its own checkpoints that this callback's state does not."""
         missing = []
+        kept = [id(value) for value in self.steps.extra_state.values()]
         for callback in trainer.callbacks:
-            if callback is self:
+            if callback is self or id(callback) in kept:
                 continue
-            if callback.state_dict():
+            if isinstance(callback, pl.callbacks.ModelCheckpoint):
+                missing.append(
+                    "Lightning's ModelCheckpoint is on: it writes .ckpt files of its own, which "
+                    "a resume does not read; set Trainer(enable_checkpointing=False)"
+                )
+            elif callback.state_dict():
                 missing.append(
                     f"the state of callback {type(callback).__name__} is not checkpointed "
-                    "(it starts afresh at a resume); pass what it needs in extra_state"
+                    "(it starts afresh at a resume); pass it in extra_state (docs/adoption.md, "
+                    "Lightning)"
                 )
         datamodule = trainer.datamodule
-        if datamodule is not None and datamodule.state_dict():
+        if datamodule is not None and datamodule.state_dict() and id(datamodule) not in kept:
             missing.append(
                 f"{type(datamodule).__name__}.state_dict() is not checkpointed; pass the "
                 "datamodule in extra_state"
@@ -196,56 +199,51 @@ class ElasticCheckpoints(pl.Callback):
                 f"the precision plug-in's state ({type(trainer.precision_plugin).__name__}: "
                 "a loss scaler) is not checkpointed"
             )
-        if self.sampler is None:
+        if self.steps.sampler is None:
             missing.append(
                 "no sampler given: the data position is not checkpointed, and a resume "
                 "mid-epoch replays that epoch from its first batch; pass "
                 "sampler=elastic.ElasticSampler(...) and train on sampler.epoch_loader(...)"
-            )
-        elif trainer._accelerator_connector.use_distributed_sampler and trainer.world_size > 1:
-            missing.append(
-                "use_distributed_sampler=True: Lightning replaces the sampler of a "
-                "DataLoader with its own, whose position is not checkpointed; set "
-                "Trainer(use_distributed_sampler=False)"
             )
         return missing
 
     # -- steps ---------------------------------------------------------------------------
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.guard is not None:
-            self.guard.__enter__()
-            self._before(trainer.global_step + 1)
+        # After Lightning installed its SIGTERM handler (at the end of its set-up): the
+        # guard's replaces it while training runs. Lightning's would end the fit at the
+        # batch's end with no emergency checkpoint, after a collective in the handler.
+        self._check_loader(trainer.train_dataloader)
+        self.steps.start(trainer.global_step)
 
-    def _before(self, step: int) -> None:
-        """The guard's hooks before ``step``: its faults, then the preemption agreement.
-
-        Run at the end of the step before (or at the start of training): there the state
-        is the one a checkpoint records (the sampler has not handed out the next batch:
-        Lightning fetches a sized loader's batch only when the step starts), so an
-        emergency checkpoint is the same as a periodic one of that step.
-        """
-        assert self.guard is not None
-        self.guard.before_step(step)
-        self._step_started = time.perf_counter()
+    def _check_loader(self, loader: Any) -> None:
+        """The fit trains on the sampler's epoch loader (refused otherwise, before a step)."""
+        sampler = self.steps.sampler
+        if isinstance(loader, EpochLoader):
+            if sampler is None:
+                raise ValueError(
+                    "the fit trains on an ElasticSampler's epoch_loader, but ElasticCheckpoints "
+                    "was given no sampler: pass sampler=<that sampler>, so the data position "
+                    "is checkpointed"
+                )
+            if loader.sampler is not sampler:
+                raise ValueError(
+                    "the fit trains on the epoch_loader of another ElasticSampler than the one "
+                    "given to ElasticCheckpoints: pass the loader's sampler"
+                )
+        elif sampler is not None:
+            raise ValueError(
+                f"the fit trains on a {type(loader).__name__}, not on the epoch loader of the "
+                "sampler given to ElasticCheckpoints, so its position would not move with "
+                "training: train on sampler.epoch_loader(dataset, ...)"
+            )
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        step = trainer.global_step
-        if self.manager is None or step == self._offered_step:
-            return  # an accumulating batch: no optimizer step yet
-        self._offered_step = step
-        if self.guard is not None:
-            self.guard.after_step(step, time.perf_counter() - self._step_started)
-        self._final_offered = trainer.max_steps > 0 and step >= trainer.max_steps
-        self.manager.maybe_save(step, final=self._final_offered)
-        if self.guard is not None and not self._final_offered:
-            self._before(step + 1)
+        # Where Lightning's ModelCheckpoint saves: the loop progress its restart expects.
+        self.steps.after(trainer.global_step, last_step=trainer.max_steps)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The end by max_epochs (or a stop callback): the run ends on a commit of its last step.
-        if self.manager is not None and not self._final_offered and trainer.global_step > 0:
-            self._final_offered = True
-            self.manager.maybe_save(trainer.global_step, final=True)
+        self.steps.finish(trainer.global_step)  # the end by max_epochs or a stop callback
 
     # -- end -----------------------------------------------------------------------------
 
@@ -254,15 +252,7 @@ class ElasticCheckpoints(pl.Callback):
     ) -> None:
         # Lightning calls no teardown hook after an exception (a preemption's exit 143
         # included): close here, so a background save is drained and the root released.
-        self._close(exception)
+        self.steps.close(exception)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._close(None)
-
-    def _close(self, failure: BaseException | None) -> None:
-        guard, manager = self.guard, self.manager
-        self.guard = self.manager = None
-        if guard is not None:  # closes the manager first; notes an error a restart repeats
-            guard.__exit__(type(failure) if failure else None, failure, None)
-        if manager is not None:
-            manager.close()
+        self.steps.close(None)

@@ -388,3 +388,43 @@ def test_sigterm_with_async_saves_commits_an_emergency_checkpoint_of_the_stopped
         "model", "optim", "sampler", "sched",
     ]  # fmt: skip
     assert os.path.exists(os.path.join(root, "checkpoint_0000003", "COMPLETE"))
+
+
+@pytest.mark.parametrize(
+    "optim_cls, kwargs", [(torch.optim.AdamW, {}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})]
+)
+def test_a_resume_into_a_fresh_optimizer_whose_parameters_hold_gradients_loads_its_state(
+    tmp_path, optim_cls, kwargs
+):
+    """A backward pass before the resume (a second fit in one process) left gradients on the
+    parameters of a never-stepped optimizer: its state is still loaded (it was silently
+    dropped: neither Adam's ahead-of-time state nor DCP's zero step touch such an
+    optimizer), and the gradients stay as they were."""
+    from torch import nn
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        return model, optim_cls(model.parameters(), **kwargs)
+
+    x = torch.linspace(-1, 1, 8).reshape(2, 4)
+    model, optim = build()
+    for _ in range(2):
+        model(x).pow(2).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    with ckpt.CheckpointManager(str(tmp_path), {"model": model, "optim": optim}) as manager:
+        manager.save(2)
+    saved = {k: {n: v.clone() for n, v in s.items()} for k, s in optim.state_dict()["state"].items()}
+
+    model2, optim2 = build()
+    model2(x).sum().backward()  # gradients on a never-stepped optimizer
+    grads = [p.grad.clone() for p in model2.parameters()]
+    with ckpt.CheckpointManager(str(tmp_path), {"model": model2, "optim": optim2}) as manager:
+        assert manager.resume() == 2
+    loaded = optim2.state_dict()["state"]
+    assert sorted(loaded) == sorted(saved) and saved
+    for index, entry in saved.items():
+        for name, value in entry.items():
+            assert torch.equal(loaded[index][name], value), (index, name)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model2.parameters(), grads, strict=True))

@@ -232,3 +232,24 @@ def test_guard_batches_number_steps_across_epochs_and_fire_a_step_fault_once():
                 fired.append(step)
     assert fired == [1, 2, 3]  # step 4's fault fired at its start, before its batch was fetched
     assert sampler.cursor == 9  # ... so the next epoch's first batch was not consumed
+
+
+def test_a_sampler_built_before_the_process_group_is_bound_to_its_rank_later():
+    """Built as rank 0 of 1 (no process group yet, as inside a framework's fit), then bound:
+    each rank gets its own slice of the global batch, the cursor untouched; a world size the
+    global batch does not divide is refused as at construction."""
+    early = ElasticSampler(40, 8, seed=3)
+    assert (early.rank, early.world_size) == (0, 1)
+    early.cursor = 16
+    early.bind(1, 2)
+    built = ElasticSampler(40, 8, seed=3, rank=1, world_size=2)
+    built.cursor = 16
+    assert early.cursor == 16 and early.local_batch == 4
+    assert early.local_batch_ids().tolist() == built.local_batch_ids().tolist()
+    whole = ElasticSampler(40, 8, seed=3).global_batch_ids(16).tolist()
+    assert early.local_batch_ids().tolist() == whole[4:8]  # rank 1's half, not the whole batch
+    with pytest.raises(ValueError, match="global_batch=8 is not divisible by world_size=3"):
+        early.bind(0, 3)
+    with pytest.raises(ValueError, match=r"rank 2 is not in \[0, world_size=2\)"):
+        early.bind(2, 2)
+    assert (early.rank, early.world_size) == (1, 2)

@@ -99,7 +99,7 @@ def test_mistakes_in_the_adoption_are_named(tmp_path):
     with pytest.raises(TypeError, match=r"sampler must be an elastic\.ElasticSampler"):
         ElasticCheckpoints(str(tmp_path), sampler=torch.utils.data.SequentialSampler(range(3)))
     callback = ElasticCheckpoints(str(tmp_path / "root"), sampler=sampler)
-    with pytest.raises(ValueError, match="the loader is not this callback's sampler's"):
+    with pytest.raises(ValueError, match="is not this callback's sampler's epoch loader"):
         callback.attach(trainer(tmp_path), other.epoch_loader(Tokens(), collate_fn=collate))
     hf = trainer(tmp_path, dataset=Tokens(), save_strategy="no")
     hf.add_callback(callback)  # given to the Trainer with its own dataset, never attached

@@ -176,8 +176,9 @@ class AppState:
             names.drop_aliases(out[key], self.aliases.get(key, {}))
         for key, (optim, owner) in self.optimizers.items():
             if key not in skip_optimizers:
-                init_adam_state(optim)
-                out[key] = get_optimizer_state_dict(owner, optim)
+                with _grads_set_aside(optim):
+                    init_adam_state(optim)
+                    out[key] = get_optimizer_state_dict(owner, optim)
         for key, obj in self.statefuls.items():
             out[key] = obj.state_dict()
         for key in self.plain:
@@ -198,7 +199,7 @@ class AppState:
                 set_model_state_dict(module, loaded[key])
         for key, (optim, owner) in self.optimizers.items():
             if key not in skip_optimizers:
-                with _applying(key):
+                with _applying(key), _grads_set_aside(optim):
                     set_optimizer_state_dict(owner, optim, loaded[key])
         for key, obj in self.statefuls.items():
             with _applying(key):
@@ -352,6 +353,30 @@ def _zeros_like(param: torch.Tensor) -> torch.Tensor:
             stride=param.stride(),
         )
     return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+@contextlib.contextmanager
+def _grads_set_aside(optim: torch.optim.Optimizer) -> Iterator[None]:
+    """The optimizer's parameters without their ``.grad`` inside, as they were after.
+
+    A never-stepped optimizer whose parameters hold gradients (a backward pass before the
+    resume, a second ``fit`` in one process) gets no state from :func:`init_adam_state`
+    nor from DCP's zero step, which both leave such an optimizer alone: its template then
+    has no state entries and a load silently drops the checkpoint's. With the gradients
+    out of the way the state is built, and the gradients come back untouched.
+    """
+    params = [p for group in optim.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    if all(g is None for g in grads):
+        yield
+        return
+    for param in params:
+        param.grad = None
+    try:
+        yield
+    finally:
+        for param, grad in zip(params, grads):
+            param.grad = grad
 
 
 def init_adam_state(optim: torch.optim.Optimizer) -> bool:
