@@ -40,9 +40,9 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 
 import elastic
-from ckpt import CheckpointManager, CheckpointOptions, StorageOptions
+from ckpt import CheckpointOptions, StorageOptions
 from elastic.sampler import EpochLoader
-from integrations.steps import GuardedSteps
+from integrations.steps import GuardedSteps, StepsView
 
 __all__ = ["ElasticCheckpoints", "TrainerProgress"]
 
@@ -65,7 +65,7 @@ class TrainerProgress:
         state.epoch = float(saved["epoch"])
 
 
-class ElasticCheckpoints(TrainerCallback):
+class ElasticCheckpoints(StepsView, TrainerCallback):
     """A run's checkpoints and elastic hooks for ``transformers.Trainer`` (usage: module
     docstring).
 
@@ -104,16 +104,6 @@ class ElasticCheckpoints(TrainerCallback):
             on_event=on_event, **option_kwargs,
         )  # fmt: skip
         self.trainer: Trainer | None = None
-
-    @property
-    def manager(self) -> CheckpointManager | None:
-        """The run's manager, from ``on_train_begin`` to ``on_train_end``."""
-        return self.steps.manager
-
-    @property
-    def resumed_step(self) -> int | None:
-        """The global step the run resumed from (None: a fresh start)."""
-        return self.steps.resumed_step
 
     def attach(self, trainer: Trainer, loader: Any) -> ElasticCheckpoints:
         """Add this callback to ``trainer`` and train it on ``loader`` (the sampler's

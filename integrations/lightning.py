@@ -52,9 +52,9 @@ from typing import Any
 import pytorch_lightning as pl
 
 import elastic
-from ckpt import CheckpointManager, CheckpointOptions, StorageOptions
+from ckpt import CheckpointOptions, StorageOptions
 from elastic.sampler import EpochLoader
-from integrations.steps import GuardedSteps
+from integrations.steps import GuardedSteps, StepsView
 
 __all__ = ["ElasticCheckpoints", "LoopProgress"]
 
@@ -90,7 +90,7 @@ class LoopProgress:
         self.trainer.fit_loop.load_state_dict(state)
 
 
-class ElasticCheckpoints(pl.Callback):
+class ElasticCheckpoints(StepsView, pl.Callback):
     """A run's checkpoints and elastic hooks for ``pl.Trainer`` (usage: module docstring).
 
     ``root``: a local path, ``gs://`` or ``s3://`` URL. ``options``: a
@@ -123,16 +123,6 @@ class ElasticCheckpoints(pl.Callback):
             extra_state=extra_state, storage_options=storage_options, seed=seed,
             on_event=on_event, **option_kwargs,
         )  # fmt: skip
-
-    @property
-    def manager(self) -> CheckpointManager | None:
-        """The run's manager, from ``on_fit_start`` to ``teardown``."""
-        return self.steps.manager
-
-    @property
-    def resumed_step(self) -> int | None:
-        """The global step the fit resumed from (None: a fresh start)."""
-        return self.steps.resumed_step
 
     # -- start ---------------------------------------------------------------------------
 

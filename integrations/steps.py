@@ -18,7 +18,7 @@ from typing import Any
 import elastic
 from ckpt import CheckpointManager, CheckpointOptions, StorageOptions
 
-__all__ = ["GuardedSteps"]
+__all__ = ["GuardedSteps", "StepsView"]
 
 
 class GuardedSteps:
@@ -149,3 +149,19 @@ class GuardedSteps:
             guard.__exit__(type(failure) if failure else None, failure, None)
         if manager is not None:
             manager.close()
+
+
+class StepsView:
+    """What a plug-in's callback shows of its :class:`GuardedSteps` (``self.steps``)."""
+
+    steps: GuardedSteps
+
+    @property
+    def manager(self) -> CheckpointManager | None:
+        """The run's manager while training runs (None before and after)."""
+        return self.steps.manager
+
+    @property
+    def resumed_step(self) -> int | None:
+        """The global step the run resumed from (None: a fresh start)."""
+        return self.steps.resumed_step

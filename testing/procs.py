@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 
-from testing.local_cluster import descendants
+from testing.local_cluster import REPO, descendants
 
 
 class RunTimeoutError(TimeoutError):
@@ -86,6 +87,35 @@ def torchrun_trainer(
     cmd, env = torchrun_command(args, nproc=nproc, max_restarts=max_restarts, program=program)
     env.update(env_extra or {})
     return run_bounded(cmd, env=env, cwd=cwd, timeout_s=timeout_s)
+
+
+def run_example(
+    script: str,
+    ckpt_dir: str,
+    run_dir: str,
+    *args: str,
+    nproc: int,
+    timeout_s: float,
+    max_restarts: int = 0,
+    must_pass: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """An example script (``--ckpt-dir``, ``--run-dir``, ``ARGS``) under ``torchrun
+    --standalone``, bounded (:class:`RunTimeoutError`); ``must_pass``: an exit other than
+    0 is an ``AssertionError`` showing the output's end."""
+    result = torchrun_trainer(
+        ["--ckpt-dir", ckpt_dir, "--run-dir", run_dir, *args], cwd=REPO, nproc=nproc,
+        max_restarts=max_restarts, timeout_s=timeout_s, program=(script,),
+    )  # fmt: skip
+    if must_pass and result.returncode != 0:
+        raise AssertionError(f"{script} exited {result.returncode}:\n{result.stdout[-6000:]}")
+    return result
+
+
+def step_rows(run_dir: str) -> dict[int, dict]:
+    """``metrics.jsonl`` of a run directory by step; a step trained again after a restart
+    keeps its last row."""
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        return {row["step"]: row for row in map(json.loads, filter(str.strip, fh))}
 
 
 def signal_tree(pid: int, signum: int) -> None:

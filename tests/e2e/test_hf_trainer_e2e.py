@@ -9,7 +9,6 @@ keeps its last row.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from testing.local_cluster import REPO
-from testing.procs import RunTimeoutError, run_bounded
+from testing.procs import run_example, step_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -31,28 +30,21 @@ CROSS_WORLD_REL = 1e-5
 """Another world size sums the same tokens' losses in another order: float32 rounding
 (observed <= 1.2e-7 relative over 20 steps); a wrong sample or a lost optimizer state
 moves a step's loss by far more."""
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_RESTART_COUNT", "TRAINER_FAULTS")  # fmt: skip
 
 
-def launch(nproc: int, ckpt_dir: str, run_dir: str, *args: str, max_restarts: int = 0) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}", "--monitor_interval=0.5",
-           SCRIPT, "--ckpt-dir", ckpt_dir, "--run-dir", run_dir, "--max-steps", str(STEPS),
-           *args]  # fmt: skip
-    try:
-        result = run_bounded(cmd, env=env, cwd=REPO, timeout_s=RUN_TIMEOUT_S)
-    except RunTimeoutError as exc:
-        pytest.fail(str(exc))
-    assert result.returncode == 0, result.stdout[-6000:]
-    return result.stdout
+def run(nproc: int, ckpt_dir: str, run_dir: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    """The example under ``torchrun --standalone`` (bounded), which may fail."""
+    return run_example(SCRIPT, ckpt_dir, run_dir, "--max-steps", str(STEPS), *args, nproc=nproc,
+                       timeout_s=RUN_TIMEOUT_S, must_pass=False, **kwargs)  # fmt: skip
 
 
-def losses(run_dir: str) -> dict[int, dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
-        return {row["step"]: row for row in map(json.loads, fh)}
+def launch(nproc: int, ckpt_dir: str, run_dir: str, *args: str, **kwargs) -> str:
+    """The example under ``torchrun --standalone`` (bounded), which must exit 0; its output."""
+    return run_example(SCRIPT, ckpt_dir, run_dir, "--max-steps", str(STEPS), *args, nproc=nproc,
+                       timeout_s=RUN_TIMEOUT_S, **kwargs).stdout  # fmt: skip
+
+
+losses = step_rows
 
 
 @pytest.fixture(scope="module")
