@@ -34,15 +34,13 @@ gradient scaler (fp16) and an optimizer or scheduler of a kind this callback doe
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
 import elastic
-from ckpt import CheckpointOptions, StorageOptions
 from elastic.sampler import EpochLoader
-from integrations.steps import GuardedSteps, StepsView
+from integrations.steps import StepsView
 
 __all__ = ["ElasticCheckpoints", "TrainerProgress"]
 
@@ -76,33 +74,17 @@ class ElasticCheckpoints(StepsView, TrainerCallback):
     exists, it is bound to the trainer's rank and world size there). ``faults``: fault
     specs of :mod:`elastic.faults`, steps being the Trainer's global steps. ``guard``:
     keyword arguments of :class:`elastic.RunGuard`. ``extra_state``: more entries for the
-    checkpoint's state dict.
+    checkpoint's state dict. ``storage_options``, ``seed``, ``on_event``: the manager's.
+    All of them are keywords after ``root`` (:class:`~integrations.steps.GuardedSteps`).
     """
 
-    def __init__(
-        self,
-        root: str,
-        *,
-        sampler: elastic.ElasticSampler,
-        options: CheckpointOptions | None = None,
-        faults: Iterable[str] | str | None = None,
-        guard: dict[str, Any] | None = None,
-        extra_state: dict[str, Any] | None = None,
-        storage_options: StorageOptions | None = None,
-        seed: int = 0,
-        on_event: Any = None,
-        **option_kwargs: Any,
-    ) -> None:
+    def __init__(self, root: str, *, sampler: elastic.ElasticSampler, **settings: Any) -> None:
         if not isinstance(sampler, elastic.ElasticSampler):
             raise TypeError(
                 f"sampler must be an elastic.ElasticSampler (the data position), got "
                 f"{type(sampler).__name__}"
             )
-        self.steps = GuardedSteps(
-            root, options=options, sampler=sampler, faults=faults, guard=guard,
-            extra_state=extra_state, storage_options=storage_options, seed=seed,
-            on_event=on_event, **option_kwargs,
-        )  # fmt: skip
+        super().__init__(root, sampler=sampler, **settings)
         self.trainer: Trainer | None = None
 
     def attach(self, trainer: Trainer, loader: Any) -> ElasticCheckpoints:

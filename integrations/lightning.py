@@ -46,15 +46,12 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import pytorch_lightning as pl
 
-import elastic
-from ckpt import CheckpointOptions, StorageOptions
 from elastic.sampler import EpochLoader
-from integrations.steps import GuardedSteps, StepsView
+from integrations.steps import StepsView
 
 __all__ = ["ElasticCheckpoints", "LoopProgress"]
 
@@ -101,28 +98,11 @@ class ElasticCheckpoints(StepsView, pl.Callback):
     ``faults``: fault specs of :mod:`elastic.faults` (drills and tests), steps being
     Lightning's global steps. ``guard``: keyword arguments of :class:`elastic.RunGuard`
     (``grace_s``, ``watchdog_s``...). ``extra_state``: more entries for the checkpoint's
-    state dict (another callback's state, for one).
+    state dict (another callback's state, for one). ``storage_options``, ``seed``,
+    ``on_event``: the manager's. All of them are keywords after ``root``
+    (:class:`~integrations.steps.GuardedSteps`).
     """
 
-    def __init__(
-        self,
-        root: str,
-        *,
-        options: CheckpointOptions | None = None,
-        sampler: elastic.ElasticSampler | None = None,
-        faults: Iterable[str] | str | None = None,
-        guard: dict[str, Any] | None = None,
-        extra_state: dict[str, Any] | None = None,
-        storage_options: StorageOptions | None = None,
-        seed: int = 0,
-        on_event: Any = None,
-        **option_kwargs: Any,
-    ) -> None:
-        self.steps = GuardedSteps(
-            root, options=options, sampler=sampler, faults=faults, guard=guard,
-            extra_state=extra_state, storage_options=storage_options, seed=seed,
-            on_event=on_event, **option_kwargs,
-        )  # fmt: skip
 
     # -- start ---------------------------------------------------------------------------
 

@@ -152,9 +152,12 @@ class GuardedSteps:
 
 
 class StepsView:
-    """What a plug-in's callback shows of its :class:`GuardedSteps` (``self.steps``)."""
+    """A plug-in callback's :class:`GuardedSteps` (``self.steps``), built from the
+    callback's arguments (those of :class:`GuardedSteps`, documented on each callback),
+    and what the callback shows of it."""
 
-    steps: GuardedSteps
+    def __init__(self, root: str, **settings: Any) -> None:
+        self.steps = GuardedSteps(root, **settings)
 
     @property
     def manager(self) -> CheckpointManager | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,6 +117,15 @@ def step_rows(run_dir: str) -> dict[int, dict]:
     keeps its last row."""
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
         return {row["step"]: row for row in map(json.loads, filter(str.strip, fh))}
+
+
+def copy_root_until(src: str, dst: str, step: int) -> None:
+    """Copy a checkpoint root to ``dst`` without its checkpoints after ``step`` (a root as
+    the run left it at ``step``, to resume elsewhere)."""
+    shutil.copytree(src, dst)
+    for name in os.listdir(dst):
+        if name.startswith("checkpoint_") and int(name.split("_")[1]) > step:
+            shutil.rmtree(os.path.join(dst, name))
 
 
 def signal_tree(pid: int, signum: int) -> None:

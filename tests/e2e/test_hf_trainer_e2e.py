@@ -10,7 +10,6 @@ keeps its last row.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from testing.local_cluster import REPO
-from testing.procs import run_example, step_rows
+from testing.procs import copy_root_until, run_example, step_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -92,10 +91,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_with_the_same_samples(root, base):
     """2 -> 1: the checkpoint of step 12 resumed by one process, which trains steps 13-20
     with the whole global batch: each loss equals the 2-rank run's up to float rounding."""
     ckpt_dir = root / "two_to_one_ckpt"
-    shutil.copytree(root / "base_ckpt", ckpt_dir)
-    for name in os.listdir(ckpt_dir):
-        if name.startswith("checkpoint_") and int(name.split("_")[1]) > 12:
-            shutil.rmtree(ckpt_dir / name)
+    copy_root_until(str(root / "base_ckpt"), str(ckpt_dir), 12)
     run_dir = str(root / "two_to_one_run")
     out = launch(1, str(ckpt_dir), run_dir)
     assert "resumed step 12 from" in out and "world size 2 -> 1" in out, out[-4000:]

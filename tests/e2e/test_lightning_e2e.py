@@ -8,13 +8,12 @@ ranks) to metrics.jsonl; a step trained again after a restart keeps its last row
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 
 import pytest
 
 from testing.local_cluster import REPO
-from testing.procs import run_example, step_rows
+from testing.procs import copy_root_until, run_example, step_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -108,10 +107,7 @@ def test_an_fsdp2_fit_of_two_ranks_resumes_on_one(root):
     steps = 20
     base = uninterrupted(root, "no_dropout", "fsdp2", "--dropout", "0", steps=steps)
     ckpt_dir = root / "two_to_one_ckpt"
-    shutil.copytree(root / "no_dropout_ckpt", ckpt_dir)
-    for name in os.listdir(ckpt_dir):
-        if name.startswith("checkpoint_") and int(name.split("_")[1]) > 12:
-            shutil.rmtree(ckpt_dir / name)
+    copy_root_until(str(root / "no_dropout_ckpt"), str(ckpt_dir), 12)
     run_dir = str(root / "two_to_one_run")
     out = launch(1, str(ckpt_dir), run_dir, "--max-steps", str(steps), "--strategy", "fsdp2",
                  "--dropout", "0")  # fmt: skip
