@@ -7,8 +7,10 @@ created on first use (never at import). It holds the checkpoint gloo group cache
 default process group and the objects the modules that own their types make on first
 use: the async saver (``ckpt.saving.async_save.default_saver``; its at-exit drain is
 registered by the first async save), the storage fault registry
-(``ckpt.storage.faults.default_registry``; ``CKPT_STORAGE_FAULTS`` is read when it is made)
-and the S3 clients (``ckpt.storage.s3``). Nothing else in ``ckpt`` keeps mutable
+(``ckpt.storage.faults.default_registry``; ``CKPT_STORAGE_FAULTS`` is read when it is made),
+the S3 clients (``ckpt.storage.s3``), and what saves keep between saves: the global
+plans of the layouts saved (``ckpt.saving.planning.kept_plans``) and the shard writer's
+``torch.save`` templates (``ckpt.saving.writer.save_templates``). Nothing else in ``ckpt`` keeps mutable
 module state. This module imports nothing of ``ckpt``: the modules above ask it, it
 never asks them.
 """

@@ -130,9 +130,7 @@ class ShardReader(StorageReader):
     ``bytes_read`` counts the bytes this rank fetched.
     """
 
-    def __init__(
-        self, ckpt_dir: Storage, manifest: Manifest, *, collective: Any = None
-    ) -> None:
+    def __init__(self, ckpt_dir: Storage, manifest: Manifest, *, collective: Any = None) -> None:
         super().__init__()
         self.ckpt_dir = ckpt_dir
         self.manifest = manifest
@@ -222,6 +220,11 @@ class ShardReader(StorageReader):
         if shared is None:
             return plans
         return [dataclasses.replace(plan, storage_data=shared) for plan in plans]
+
+    def plans_globally(self) -> bool:
+        """Whether :meth:`prepare_global_plan` changes the plans (read-once sharing), so
+        that a load must exchange them (:mod:`ckpt.loading.planning`)."""
+        return self._reads_once()
 
     def _reads_once(self) -> bool:
         coll = self.collective

@@ -5,8 +5,10 @@ Called by every rank (collective). For each candidate, newest first:
 1. coordinator: read COMPLETE and manifest.json, fast-verify the files (sizes,
    and object crc32c where the backend reports it); broadcast the manifest or why
    the candidate is rejected;
-2. every rank: ``dcp.load`` in place through :class:`~ckpt.loading.reader.ShardReader`,
-   which checks each item's crc32c before using it; DCP reshards to any world size.
+2. every rank: DCP's load protocol in place (:func:`~ckpt.loading.planning.load_state`:
+   plans exchanged only for read-once sharing) through
+   :class:`~ckpt.loading.reader.ShardReader`, which checks each item's crc32c before
+   using it; DCP's planner reshards to any world size.
 
 A candidate that fails is reported (log + ``ckpt_fallback`` event naming the file
 and the reason) and the previous committed checkpoint is tried. If committed
@@ -23,11 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt.dist import Collective
-from ckpt.dist import quiet_single_process as _quiet_single_process
 from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -39,6 +39,7 @@ from ckpt.errors import (
 )
 from ckpt.format.layout import checkpoint_dirname
 from ckpt.format.manifest import Manifest
+from ckpt.loading.planning import load_state
 from ckpt.loading.reader import SafeLoadPlanner, ShardReader
 from ckpt.loading.verify import verify_dir
 from ckpt.root.catalog import CORRUPT, DAMAGED, QUARANTINED, Catalog
@@ -397,14 +398,7 @@ def _read_metadata(reader: ShardReader) -> None:
 
 def _dcp_load(state: dict[str, Any], reader: ShardReader, coll: Collective) -> None:
     try:
-        with _quiet_single_process():
-            dcp.load(
-                state,
-                storage_reader=reader,
-                planner=SafeLoadPlanner(),
-                process_group=coll.group,
-                no_dist=not coll.distributed,
-            )
+        load_state(state, reader=reader, planner=SafeLoadPlanner(), coll=coll)
     except CheckpointException as exc:
         errors = [err for err, _ in exc.failures.values()]
         for err in errors:

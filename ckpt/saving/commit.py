@@ -7,9 +7,10 @@ is initialized). In order:
    count is the maximum (torchrun counts restarts per agent);
 2. coordinator: refuse to overwrite a committed checkpoint, fence against newer
    attempts, and clear a partial directory left by a dead attempt at this step;
-3. every rank: ``dcp.save`` through :class:`~ckpt.saving.writer.ShardWriter` (each rank's
-   shard file is flushed, fsynced, closed and size-checked; the coordinator then
-   writes ``.metadata``);
+3. every rank: DCP's save protocol (:func:`~ckpt.saving.planning.save_state`, which
+   exchanges plans only when the layout changed) through
+   :class:`~ckpt.saving.writer.ShardWriter` (each rank's shard file is flushed, fsynced,
+   closed and size-checked; the coordinator then writes ``.metadata``);
 4. coordinator: gather every rank's files and item checksums, write
    ``manifest.json``, check the fence again, write ``COMPLETE`` last.
 
@@ -30,12 +31,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt import env
 from ckpt.dist import Collective
-from ckpt.dist import quiet_single_process as _quiet_single_process
 from ckpt.errors import (
     CheckpointDirError,
     CheckpointError,
@@ -60,6 +59,7 @@ from ckpt.root.quarantine import finish_move as finish_quarantine_move
 from ckpt.root.retention import RetentionPolicy, apply_retention, set_aside_renamed
 from ckpt.saving import async_save as _async
 from ckpt.saving import finite
+from ckpt.saving.planning import save_state
 from ckpt.saving.session import EventSink, Session, default_session
 from ckpt.saving.writer import BlockSavePlanner, ShardWriter
 from ckpt.state.state_check import checked_state
@@ -70,7 +70,6 @@ logger = logging.getLogger(__name__)
 
 ENV_RUN_ID = env.RUN_ID
 ENV_RESTART_COUNT = env.RESTART_COUNT
-
 
 
 def utc_now() -> str:
@@ -303,14 +302,7 @@ def _save_staged(
     writer = ShardWriter(ckpt_dir)
     writer.save_id = attempt.save_id
     try:
-        with _quiet_single_process():
-            dcp.save(
-                state,
-                storage_writer=writer,
-                planner=BlockSavePlanner(),
-                process_group=coll.group,
-                no_dist=not coll.distributed,
-            )
+        save_state(state, writer=writer, planner=BlockSavePlanner(), coll=coll)
     except CheckpointException as exc:
         # DCP reports a failed write to every rank only after every rank's write ended.
         if coll.is_coordinator:

@@ -19,7 +19,9 @@ import dataclasses
 import io
 import math
 import pickle
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,12 +42,16 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ckpt import env
+from ckpt.defaults import process_defaults
 from ckpt.format.checksum import ChecksummingWriter
 from ckpt.format.layout import DCP_METADATA_NAME, shard_filename
+from ckpt.format.tensorblob import NotPlain, zip_records
 from ckpt.saving import finite
+from ckpt.saving.planning import LruCache
 from ckpt.storage import FileRecord, Storage
 
 SAVE_BLOCK_BYTES = 8 << 20
@@ -68,6 +74,11 @@ class BlockSavePlanner(DefaultSavePlanner):
     ``SAVE_BLOCK_BYTES`` (at least one row); smaller or 0-d tensors stay whole.
     Plain ``dcp.load`` reads such checkpoints (several chunks per tensor are
     ordinary DCP metadata).
+
+    DCP's local plan of a state whose items are those of a save this process already
+    planned (the same keys, kinds, shapes, dtypes, shardings, ``requires_grad`` and
+    pinning: :func:`local_plan_signature`) is the kept one (:func:`kept_local_plans`):
+    DCP works out each DTensor's shard offsets anew, ~0.1 ms per tensor.
     """
 
     def __init__(self, block_bytes: int | None = None) -> None:
@@ -76,7 +87,16 @@ class BlockSavePlanner(DefaultSavePlanner):
         self._blocks: dict[MetadataIndex, tuple[MetadataIndex, int, int]] = {}
 
     def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
+        signature = local_plan_signature(self.state_dict, self.is_coordinator)
+        kept = kept_local_plans().get(signature) if signature is not None else None
+        if kept is None:
+            plan = super().create_local_plan()
+            if signature is not None:
+                kept_local_plans().put(signature, tuple(plan.items))
+        else:
+            plan = SavePlan(list(kept))
+            if self.flatten_state_dict:
+                plan = dataclasses.replace(plan, planner_data=self.mappings)
         self._blocks = {}
         items: list[WriteItem] = []
         for item in plan.items:
@@ -127,6 +147,36 @@ class BlockSavePlanner(DefaultSavePlanner):
         return self.transform_object(write_item, tensor.narrow(0, first, n))
 
 
+def local_plan_signature(state: dict[str, Any], is_coordinator: bool) -> tuple[Any, ...] | None:
+    """What DCP's default local save plan of the (flattened) ``state`` depends on, item by
+    item; None when an item is of a kind this does not describe (a tensor that is neither
+    plain nor a DTensor: its plan is always made anew)."""
+    parts: list[Any] = [is_coordinator]
+    for fqn, obj in state.items():
+        if isinstance(obj, DTensor):
+            local = obj._local_tensor
+            if type(obj) is not DTensor or type(local) is not torch.Tensor:
+                return None
+            parts.append((fqn, 1, obj.shape, obj.device_mesh, obj.placements, local.dtype,
+                          local.layout, obj.requires_grad, local.is_pinned()))  # fmt: skip
+        elif isinstance(obj, torch.Tensor):
+            if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+                return None  # a subclass (ShardedTensor, ...) plans its own items
+            parts.append((fqn, 2, obj.shape, obj.dtype, obj.layout, obj.requires_grad,
+                          obj.is_pinned()))  # fmt: skip
+        elif hasattr(obj, "__create_write_items__"):
+            return None
+        else:
+            parts.append((fqn, 3))
+    return tuple(parts)
+
+
+def kept_local_plans() -> LruCache[tuple[Any, ...], tuple[WriteItem, ...]]:
+    """DCP's local plans of the states this process saved (a few, most recent kept; in
+    :mod:`ckpt.defaults`)."""
+    return process_defaults().part("local_save_plans", LruCache)
+
+
 class ShardWriter(StorageWriter):
     """Writes one shard file per rank plus (coordinator) ``.metadata`` into ``ckpt_dir``.
 
@@ -165,8 +215,10 @@ class ShardWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         filename = str(plan.storage_data)
-        # Small byte items first, then tensors: the order DCP's own writer uses.
-        items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        # Tensors first, then byte items (DCP's own writer puts the byte items first): a
+        # Python value whose encoding changes length between saves then moves no tensor,
+        # so the coordinator reuses their write results (ckpt.saving.planning).
+        items = sorted(plan.items, key=lambda item: item.type == WriteItemType.BYTE_IO)
         results: list[WriteResult] = []
         chunks: list[list[Any]] = []
         non_finite: list[str] = []
@@ -259,9 +311,7 @@ def _write_item(stream: ChecksummingWriter, item: WriteItem, data: Any) -> bool:
         tensor = tensor.cpu()
     tensor = own_storage(tensor)
     if tensor.numel() * tensor.element_size() <= SMALL_ITEM_BYTES:
-        buffer = io.BytesIO()
-        torch.save(tensor, buffer)
-        stream.write(buffer.getbuffer())  # the view keeps its BytesIO alive
+        stream.write(save_templates().serialize(tensor))
         return not finite.scannable(tensor) or finite.is_finite(tensor)
     keep_alive = getattr(stream, "keep_alive", None)
     if keep_alive is not None:  # gs:// sends the storage's bytes later, without a copy
@@ -295,3 +345,96 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
     start = tensor.storage_offset() * tensor.element_size()
     exact = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     return exact.set_(storage[start : start + nbytes], 0, tensor.size(), tensor.stride())
+
+
+class SaveTemplates:
+    """``torch.save``'s bytes around a small tensor's raw data, kept by dtype and shape.
+
+    ``torch.save`` costs ~0.1 ms per tensor whatever its size (it pickles the tensor and
+    builds a zip archive of ~7 records); at tens of thousands of small tensors per rank
+    that is seconds of every save. For a plain contiguous CPU tensor the archive is the
+    same bytes before and after the raw data for every tensor of its dtype and shape
+    (the records' crc32 are not computed, :func:`zip_crc32_off`; the archive's
+    serialization id, a field torch only logs, is that of the first tensor), so the item
+    is written as prefix + the tensor's bytes + suffix. A tensor of another kind
+    (quantized, conjugate or negative bit, a subclass, non-contiguous) is ``torch.save``d.
+    The memory tier keeps such templates per item (:mod:`ckpt.tiers.memory.shard`); these
+    are per shape, and the few shapes of a model are reused across items and saves.
+    """
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._kept: OrderedDict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, bytes]] = (
+            OrderedDict()
+        )
+        self._lock = threading.Lock()
+
+    def serialize(self, tensor: torch.Tensor) -> bytes | memoryview:
+        """The bytes ``torch.save(tensor)`` writes (with the zip crc32 off), for a CPU
+        tensor on a storage of exactly its bytes (:func:`own_storage`)."""
+        if not _templatable(tensor):
+            return _torch_save(tensor)
+        key = (tensor.dtype, tuple(tensor.shape))
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is not None:
+                self._kept.move_to_end(key)
+        if kept is not None:
+            return b"".join((kept[0], _raw_bytes(tensor), kept[1]))
+        raw = _torch_save(tensor)
+        # Kept only from an archive without crc32 values: one with them would carry the
+        # first tensor's checksums into every later tensor's item.
+        if torch.serialization.get_crc32_options():
+            return raw
+        split = _split_around_data(raw, tensor.numel() * tensor.element_size())
+        if split is not None:
+            with self._lock:
+                self._kept[key] = split
+                while len(self._kept) > self.size:
+                    self._kept.popitem(last=False)
+        return raw
+
+
+def save_templates() -> SaveTemplates:
+    """The shard writer's templates, shared by the saves of a process (in
+    :mod:`ckpt.defaults`, made on first use)."""
+    return process_defaults().part("save_templates", SaveTemplates)
+
+
+def _templatable(tensor: torch.Tensor) -> bool:
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and not tensor.requires_grad
+        and tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
+
+
+def _torch_save(tensor: torch.Tensor) -> memoryview:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getbuffer()  # the view keeps its BytesIO alive
+
+
+def _split_around_data(raw: memoryview, nbytes: int) -> tuple[bytes, bytes] | None:
+    """The bytes before and after the one data record of ``raw``, or None when the
+    archive is not that plain case."""
+    try:
+        records = zip_records(raw)
+    except NotPlain:
+        return None
+    data = [(offset, size) for name, (offset, size) in records.items() if "/data/" in name]
+    if len(data) != 1 or data[0][1] != nbytes or data[0][0] == 0:
+        return None
+    offset, size = data[0]
+    return bytes(raw[:offset]), bytes(raw[offset + size :])
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
