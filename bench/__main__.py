@@ -22,6 +22,7 @@ from bench import curves as cost_curves
 from bench import memory_tier
 from bench import metrics as m
 from bench import rendezvous as rdzv
+from bench import scale as plan_scale
 from bench.async_rounds import async_rounds, staging_rounds
 from bench.elastic_runs import (
     LOADER_EXAMPLE,
@@ -92,6 +93,7 @@ class Mode:
     rendezvous_n: tuple[int, ...]
     """Simulated agent counts of rendezvous_vs_c10d (:mod:`bench.rendezvous`)."""
     curves: cost_curves.CurvesMode
+    scale: plan_scale.ScaleMode
     """The sizes, counts and rounds of the ``curves`` group (:mod:`bench.curves`)."""
 
 
@@ -114,6 +116,7 @@ QUICK = Mode(
     memory=memory_tier.QUICK,
     rendezvous_n=rdzv.QUICK_N,
     curves=cost_curves.QUICK,
+    scale=plan_scale.QUICK,
 )
 FULL = Mode(
     name="full",
@@ -134,6 +137,7 @@ FULL = Mode(
     memory=memory_tier.FULL,
     rendezvous_n=rdzv.FULL_N,
     curves=cost_curves.FULL,
+    scale=plan_scale.FULL,
 )
 WARMUP_STEPS = 5
 FULL_ONLY = ("restart_overhead", "fault_cost_s", "ettr", "silent_node_loss",
@@ -190,6 +194,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     groups = "; ".join(f"{g}: {', '.join(names)}" for g, names in m.GROUPS.items())
     q, f = QUICK.memory, FULL.memory
     cq = QUICK.curves
+    sq, sf = QUICK.scale, FULL.scale
     p = argparse.ArgumentParser(
         prog="python -m bench",
         description=__doc__,
@@ -221,7 +226,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         f"{' and '.join(map(str, cq.tensor_counts))} tensors, "
         f"{' and '.join(map(str, cq.ranks))} ranks, roots of "
         f"{' and '.join(map(str, cq.root_counts))} checkpoints, no restores or kill "
-        f"jobs); {', '.join(FULL_ONLY[:-1])} and {FULL_ONLY[-1]} are not measured "
+        f"jobs), the scale group at {' and '.join(map(str, sq.ranks))} simulated ranks of "
+        f"{sq.tensors} tensors (full: {' to '.join(map(str, (sf.ranks[0], sf.ranks[-1])))} of "
+        f"{sf.tensors}); {', '.join(FULL_ONLY[:-1])} and {FULL_ONLY[-1]} are not measured "
         "(full mode only)",
     )
     p.add_argument(
@@ -245,7 +252,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="DIR",
         default=None,
         help="curves group: write one PNG per cost curve (log-log, ours and DCP, fitted "
-        "growth exponents) and curves.json (every series and raw sample) into DIR. "
+        "growth exponents) and curves.json (every series and raw sample) into DIR; "
+        "scale group: scale.png (the simulated coordinator, ours and DCP). "
         "`python -m bench curves [options]` runs the curves group alone "
         "(= --only curves)",
     )
@@ -413,6 +421,16 @@ def _replicated(mode: Mode) -> list[m.Metric]:
             timeout_s=mode.timeout_s,
         )[0]  # fmt: skip
     return m.replicated_metrics(raw)
+
+
+def _scale(mode: Mode, plot_dir: str | None) -> list[m.Metric]:
+    raw = plan_scale.measure(mode.scale, progress=_progress)
+    if plot_dir:
+        from bench.curve_plots import plot_curve
+
+        os.makedirs(plot_dir, exist_ok=True)
+        plot_curve(plan_scale.curve(raw), os.path.join(plot_dir, "scale.png"), mode.name)
+    return m.scale_metrics(raw)
 
 
 def _memory(work: str, mode: Mode) -> list[m.Metric]:
@@ -664,6 +682,7 @@ def tasks(
         ("export", "export rounds", lambda: _export(own("export"), mode)),
         ("curves", "cost curves", lambda: _curves(own("curves"), mode, plot_dir)),
         ("replicated", "replicated state", lambda: _replicated(mode)),
+        ("scale", "planning at scale (simulated)", lambda: _scale(mode, plot_dir)),
     ]
 
 

@@ -264,6 +264,8 @@ class _Point:
         if timed:
             self._add(f"save_{side}", seconds, peak.growth)
             self.phases[side].append({"total": seconds, **phases.seconds})
+        else:
+            self._add(f"first_save_{side}", seconds)
 
     def count_collectives(self, side: str) -> dict[str, Any]:
         import torch.distributed as dist
@@ -356,8 +358,10 @@ def point_rounds(
     """The ``points`` one after the other; each is ``{"spec": ..., "rounds": N, "async":
     bool, "collectives": bool}`` (:func:`build_state`'s spec, steady rounds, whether to
     run the async rounds and the counted saves). Rank 0 gets one dict of samples per
-    point. The first point also warms up the code paths: one save per side (round 0) and
-    one untimed load per side; the later points start timing at once."""
+    point. Every point starts with one untimed save per side (round 0: the first save of a
+    layout; ours plans it and reuses the plan in every later save of it, as a training job
+    does; its time is kept apart as ``first_save_<side>``); the first point also warms up
+    the code paths with one untimed load per side."""
     import ckpt
 
     out = []
@@ -365,8 +369,7 @@ def point_rounds(
         started = time.monotonic()
         spec, n, first = todo["spec"], int(todo["rounds"]), index == 0
         point = _Point(rank, world, os.path.join(work, f"point{index}"), spec)
-        start = 0 if first else 1  # round 0: the warm-up
-        for i in range(start, n + 1):
+        for i in range(0, n + 1):  # round 0: the first save of this layout, untimed
             tag = "kept" if i == n else f"r{i}"
             for side in _order(i):
                 point.save(side, tag, timed=i > 0)
@@ -385,7 +388,7 @@ def point_rounds(
                 if i == n - 1:
                     point.check(f"{side} load of {spec}")
         if todo["async"]:
-            for i in range(start, n + 1):
+            for i in range(0 if first else 1, n + 1):
                 for side in _order(i):
                     point.async_save(side, f"a{i}", timed=i > 0)
                 point.remove(f"a{i}")

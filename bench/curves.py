@@ -466,6 +466,8 @@ def _tensors_series(got: dict[str, Any]) -> dict[str, Any]:
     planning = ("local_plan", "global_plan", "metadata", "coordinator")
     return {
         "save": _line(x, _sides(pts, "save"), "s", True),
+        # A layout's first save (round 0, untimed in "save"): ours exchanges the plans then.
+        "first save": _line(x, _sides(pts, "first_save"), "s"),
         "load (cold)": _line(x, _sides(pts, "load"), "s", True),
         "manifest + .metadata bytes": _line(
             x,

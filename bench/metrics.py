@@ -52,6 +52,9 @@ TARGETS: dict[str, tuple[float, str]] = {
     "curve_save_memory": (0.5, "<="),
     "read_amplification": (1.05, "<="),
     "read_once_load_vs_each": (1.0, "<="),
+    "plan_scale_vs_dcp": (0.1, "<="),
+    "plan_scale_rank_exp": (1.05, "<="),
+    "plan_bytes_per_rank": (0.1, "<="),
 }
 """The one table of metrics: name -> (target, direction), in report order.
 
@@ -92,6 +95,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "curve_save_memory",
     ),
     "replicated": ("read_amplification", "read_once_load_vs_each"),
+    "scale": ("plan_scale_vs_dcp", "plan_scale_rank_exp", "plan_bytes_per_rank"),
 }
 """Measurement groups (``python -m bench --only``), in run order, and the metrics each yields."""
 
@@ -452,6 +456,54 @@ def gcs_metrics(raw: dict[str, Any]) -> list[Metric]:
     where = "one object per rank, 2 ranks in parallel, fake-gcs-server"
     save = store_save_metric("gcs_save_vs_pipe", raw, "pipe", f"gcsfs pipe of {where}")
     return [save, store_load_metric("gcs_load_vs_cat", raw, "cat", f"gcsfs cat of {where}")]
+
+
+def scale_metrics(raw: dict[str, Any]) -> list[Metric]:
+    """plan_scale_vs_dcp, plan_scale_rank_exp and plan_bytes_per_rank (:mod:`bench.scale`)."""
+    points = raw["points"]
+    tensors = raw["tensors"]
+    table = [
+        {"ranks": p["ranks"], "ours_s": _r(p["ours_s"]), "dcp_s": _r(p.get("dcp_s", math.nan)),
+         "ours_bytes_per_rank": p["ours_bytes_per_rank"],
+         "dcp_bytes_per_rank": p["dcp_bytes_per_rank"]}
+        for p in points
+    ]  # fmt: skip
+    with_dcp = [p for p in points if p.get("dcp_s")]
+    out = []
+    if with_dcp:
+        at = max(with_dcp, key=lambda p: p["ranks"])
+        out.append(
+            Metric(
+                name="plan_scale_vs_dcp",
+                value=at["ours_s"] / at["dcp_s"],
+                detail={"at": f"{at['ranks']} ranks x {tensors} tensors", "points": table},
+            )
+        )
+    else:
+        out.append(missing("plan_scale_vs_dcp", "no point where DCP ran"))
+    ranks = [float(p["ranks"]) for p in points]
+    dcp_exp = growth_exponent([float(p["ranks"]) for p in with_dcp], [p["dcp_s"] for p in with_dcp])
+    out.append(
+        Metric(
+            name="plan_scale_rank_exp",
+            value=growth_exponent(ranks, [p["ours_s"] for p in points]),
+            detail={"tensors": tensors, "ranks": ranks, "dcp_exp": _r(dcp_exp)},
+        )
+    )
+    last = points[-1]
+    out.append(
+        Metric(
+            name="plan_bytes_per_rank",
+            value=last["ours_bytes_per_rank"] / last["dcp_bytes_per_rank"],
+            detail={
+                "tensors": tensors,
+                "ours_bytes": last["ours_bytes_per_rank"],
+                "dcp_bytes": last["dcp_bytes_per_rank"],
+                "value_is": "bytes a rank sends per save of a layout planned before, ours / DCP",
+            },
+        )
+    )
+    return out
 
 
 def replicated_metrics(raw: dict[str, Any]) -> list[Metric]:

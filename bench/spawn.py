@@ -69,12 +69,14 @@ def _entry(
     # The forkserver's environment is the one of its start: the caller's now replaces it.
     os.environ.clear()
     os.environ.update(env)
-    os.environ.update({
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
     import torch.distributed as dist
 
     code = 0

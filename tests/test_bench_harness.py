@@ -66,6 +66,9 @@ SPEC = [
     ("curve_save_memory", 0.5, "<="),
     ("read_amplification", 1.05, "<="),
     ("read_once_load_vs_each", 1.0, "<="),
+    ("plan_scale_vs_dcp", 0.1, "<="),
+    ("plan_scale_rank_exp", 1.05, "<="),
+    ("plan_bytes_per_rank", 0.1, "<="),
 ]
 
 
@@ -91,7 +94,7 @@ def test_targets_table_is_the_issue_table_in_its_order():
 def test_groups_split_the_table_exactly_once():
     assert list(m.GROUPS) == [
         "save", "load", "async", "overhead", "gcs", "s3", "memory", "elastic", "rendezvous",
-        "loader", "export", "curves", "replicated",
+        "loader", "export", "curves", "replicated", "scale",
     ]  # fmt: skip
     grouped = [name for names in m.GROUPS.values() for name in names]
     assert sorted(grouped) == sorted(m.TARGETS)
@@ -915,3 +918,31 @@ def test_replicated_metrics_divide_bytes_read_by_the_checkpoints_and_time_by_tim
     assert amplification.name == "read_amplification" and amplification.value == 1.01
     assert amplification.detail["read_by_each_amplification"] == 4.0
     assert ratio.name == "read_once_load_vs_each" and ratio.value == 0.5 and ratio.ok
+
+
+def test_scale_metrics_compare_at_the_largest_point_dcp_ran():
+    raw = {
+        "tensors": 8,
+        "points": [
+            {"ranks": 4, "ours_s": 0.001, "dcp_s": 0.1,
+             "ours_bytes_per_rank": 100, "dcp_bytes_per_rank": 1000},
+            {"ranks": 16, "ours_s": 0.004, "dcp_s": 0.8,
+             "ours_bytes_per_rank": 100, "dcp_bytes_per_rank": 1000},
+            {"ranks": 64, "ours_s": 0.016,
+             "ours_bytes_per_rank": 120, "dcp_bytes_per_rank": 2400},
+        ],
+    }  # fmt: skip
+    vs_dcp, exponent, sent = m.scale_metrics(raw)
+    assert vs_dcp.value == pytest.approx(0.004 / 0.8) and "16 ranks" in vs_dcp.detail["at"]
+    assert exponent.value == pytest.approx(1.0)  # ours grows linearly in R here
+    assert exponent.detail["dcp_exp"] == pytest.approx(1.5)
+    assert sent.value == pytest.approx(0.05)
+
+
+def test_the_scale_simulation_runs_our_coordinator_beside_dcps_planner():
+    from bench.scale import point
+
+    got = point(4, 8, rounds=1, with_dcp=True)
+    assert got["ours_s"] > 0 and got["dcp_s"] > 0
+    # 16 bytes per item and a digest against DCP's pickled plans and results
+    assert got["ours_bytes_per_rank"] < got["dcp_bytes_per_rank"] / 3
