@@ -45,11 +45,21 @@ from ckpt.storage import FILE, Storage
 
 # Coalesce neighbouring items into one ranged request up to this many bytes.
 MAX_READ_SPAN_BYTES = 64 << 20
+MIN_LOCAL_SPAN_BYTES = 4 << 20
+LOCAL_SPANS = 8
+"""A local read is cut into about this many spans (each 4-64 MB), so that reading the
+next span overlaps checking and copying the current one even for a single small shard
+(one 32 MB span was read, then checked, then copied, in series)."""
 OBJECT_STORE_GAP_BYTES = 1 << 20
 """On an object store, items at most this far apart are read in one ranged request,
 the bytes between them included: each request costs a round trip (tens of ms on S3 and
 GCS, in which more than this arrives) and, on a server that reads the whole object for
 any range (moto), the whole object. Local files read exactly the items."""
+
+
+def local_span_bytes(total: int) -> int:
+    """The span size of a local read of ``total`` bytes (:data:`LOCAL_SPANS`)."""
+    return max(MIN_LOCAL_SPAN_BYTES, min(MAX_READ_SPAN_BYTES, total // LOCAL_SPANS))
 
 
 def load_metadata(raw: bytes, *, url: str = "", manifest: Manifest | None = None) -> Metadata:
@@ -274,6 +284,9 @@ class ShardReader(StorageReader):
             )
         span_bytes, depth = self.ckpt_dir.read_pipeline()
         max_gap = OBJECT_STORE_GAP_BYTES if depth > 1 else 0
+        if span_bytes is None:
+            total = sum(self.storage_data[it.storage_index].length for it in items)
+            span_bytes = local_span_bytes(total)
         spans: list[tuple[str, int, int, list[ReadItem]]] = []
         for path, items in per_file.items():
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
@@ -281,9 +294,7 @@ class ShardReader(StorageReader):
             extents = [(info.offset, info.length) for info in infos]
             spans.extend(
                 (path, start, end, [items[i] for i in members])
-                for start, end, members in coalesce_extents(
-                    extents, span_bytes or MAX_READ_SPAN_BYTES, max_gap
-                )
+                for start, end, members in coalesce_extents(extents, span_bytes, max_gap)
             )
         if depth > 1:
             self._read_pipelined(spans, depth, planner)
