@@ -142,7 +142,9 @@ def point(ranks: int, tensors: int, rounds: int, with_dcp: bool) -> dict[str, An
         type(plan)(plan.items, storage_data=shard_filename(rank), planner_data=plan.planner_data)
         for rank, plan in enumerate(plans)
     ]
-    kept = KeptPlan(plan=kept_plans[0], all_plans=kept_plans, metadata=None)
+    kept = KeptPlan(
+        plan=kept_plans[0], all_plans=kept_plans, metadata=None, rank=0, world_size=ranks
+    )
     digests = [hashlib.sha256(str(rank).encode()).digest() for rank in range(ranks)]
     key = hashlib.sha256(b"".join(digests)).digest()
     summaries = [(digest, [key]) for digest in digests]

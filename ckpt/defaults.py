@@ -30,13 +30,16 @@ class ProcessDefaults:
     def __init__(self) -> None:
         self._parts: dict[Hashable, Any] = {}
         self._groups: dict[int, Any] = {}
+        self._per_group: set[Hashable] = set()
         self._lock = threading.Lock()
 
-    def part(self, key: Hashable, create: Callable[[], T]) -> T:
+    def part(self, key: Hashable, create: Callable[[], T], *, per_group: bool = False) -> T:
         """The object stored under ``key``, made by ``create()`` on first use.
 
         ``create`` runs outside the lock (making an S3 client takes a while); when two
         threads make one at once, the first stored wins and the other is dropped.
+        ``per_group``: the object describes the process group(s) of its time (the save
+        plans kept, which hold device meshes); :meth:`release_groups` drops it.
         """
         with self._lock:
             found = self._parts.get(key)
@@ -44,6 +47,8 @@ class ProcessDefaults:
             made = create()
             with self._lock:
                 found = self._parts.setdefault(key, made)
+                if per_group:
+                    self._per_group.add(key)
         return found
 
     def existing(self, key: Hashable) -> Any:
@@ -63,9 +68,13 @@ class ProcessDefaults:
             return group
 
     def release_groups(self) -> None:
-        """Forget the cached checkpoint group; call before ``destroy_process_group``."""
+        """Forget the cached checkpoint group and the objects made ``per_group``; call
+        before ``destroy_process_group``."""
         with self._lock:
             self._groups.clear()
+            for key in self._per_group:
+                self._parts.pop(key, None)
+            self._per_group.clear()
 
 
 _CREATE_LOCK = threading.Lock()

@@ -69,7 +69,8 @@ def _checkpoint_group() -> Any:
 
 
 def release_groups() -> None:
-    """Forget the cached checkpoint group; call before ``destroy_process_group``.
+    """Forget the cached checkpoint group and the save plans kept for the group's ranks
+    (they hold its device meshes); call before ``destroy_process_group``.
 
     A reference to a destroyed gloo group that lives until interpreter teardown can
     abort the process there ("terminate called without an active exception").

@@ -132,10 +132,12 @@ def repeated_saves_worker(rank: int, world: int, root: str) -> dict:
         )  # fmt: skip
     saved3 = _local(state)
 
-    # Stock DCP reads the save that took its kept plan.
+    # Stock DCP reads the save that took its kept plan, tensors and Python values.
     _zero(state)
+    state["meta"] = {"name": "", "epoch": 0}
     dcp.load(state, checkpoint_id=os.path.join(root, checkpoint_dirname(3)))
     stock_equal = all(torch.equal(saved3[k], v) for k, v in _local(state).items())
+    stock_equal = stock_equal and state["meta"] == {"name": "run", "epoch": 1}
 
     # A layout that changed is planned again, and its new item is in the metadata.
     grown = _state(world, rank, extra=True)
@@ -395,7 +397,7 @@ def test_the_coordinator_rebuilds_only_the_write_results_that_moved():
 
     items = [WriteItem(index=MetadataIndex(f"k{i}"), type=WriteItemType.BYTE_IO) for i in range(4)]
     plan = SavePlan(items)
-    kept = KeptPlan(plan=plan, all_plans=[plan], metadata=None)
+    kept = KeptPlan(plan=plan, all_plans=[plan], metadata=None, rank=0, world_size=1)
 
     def payload(*extents):
         return "rank_00000.distcp", array.array(
@@ -413,3 +415,71 @@ def test_the_coordinator_rebuilds_only_the_write_results_that_moved():
     assert [(r.storage_data.offset, r.size_in_bytes) for r in moved[2:]] == [(15, 9), (24, 3)]
     with pytest.raises(ValueError, match="write results of 3 items for a plan of 4"):
         kept.results(0, payload((0, 1), (1, 1), (2, 1)))
+
+
+def swapped_ranks_worker(rank: int, world: int, root: str, init_file: str) -> dict:
+    """Two saves of a layout on 3 ranks, then the same processes in a new group with ranks
+    1 and 2 swapped (an in-process restart) save it again: nothing kept at the old rank
+    may be taken for the new one (a DTensor's mesh compares equal across ranks, and the
+    digests of two swapped ranks of a replicated layout are each other's)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt.saving.writer import BlockSavePlanner
+
+    planned = []
+    real_global = BlockSavePlanner.create_global_plan
+
+    def counted_global(self, plans):
+        planned.append(len(plans))
+        return real_global(self, plans)
+
+    BlockSavePlanner.create_global_plan = counted_global
+    state = _state(world, rank)
+    ckpt.save(state, root, 1)
+    ckpt.save(state, root, 2)
+    dist.barrier()
+    dist.destroy_process_group()  # the caches stay: nothing told ckpt
+    swapped = {0: 0, 1: 2, 2: 1}[rank]  # the coordinator stays; ranks 1 and 2 swap
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=swapped,
+                            world_size=world)  # fmt: skip
+    now = dist.get_rank()
+    state = _state(world, now)
+    _bump(state, 10.0)  # the same on both ranks: the plain tensor is replicated
+    saved = _local(state)
+    before = len(planned)
+    ckpt.save(state, root, 3)
+    check = _state(world, now)
+    _zero(check)
+    check["meta"] = {"name": "", "epoch": 0}
+    dcp.load(check, checkpoint_id=os.path.join(root, checkpoint_dirname(3)))
+    return {
+        "rank": now,
+        "planned_again": len(planned) - before,
+        "equal": {k: torch.equal(saved[k], v) for k, v in _local(check).items()},
+        "meta": check["meta"],
+    }
+
+
+def test_processes_that_swapped_ranks_plan_again_and_save_their_own_shards(tmp_path):
+    out = run_ok(swapped_ranks_worker, 3, str(tmp_path / "root"), str(tmp_path / "swap"),
+                 timeout_s=240)  # fmt: skip
+    by_rank = {r["rank"]: r for r in out}
+    assert set(by_rank) == {0, 1, 2}
+    assert by_rank[0]["planned_again"] == 1  # the coordinator planned the layout again
+    for result in out:
+        assert all(result["equal"].values()), result["equal"]
+        assert result["meta"] == {"name": "run", "epoch": 1}
+
+
+def test_releasing_the_groups_forgets_the_kept_plans(tmp_path):
+    from ckpt.dist import release_groups
+    from ckpt.saving.planning import kept_plans
+    from ckpt.saving.writer import kept_local_plans
+
+    ckpt.save({"a": torch.ones(3), "n": 1}, str(tmp_path), 1)
+    assert kept_plans().snapshot() and kept_local_plans().snapshot()
+    release_groups()
+    assert not kept_plans().snapshot() and not kept_local_plans().snapshot()
+    ckpt.save({"a": torch.ones(3), "n": 2}, str(tmp_path), 2)  # plans anew
+    assert kept_plans().snapshot()

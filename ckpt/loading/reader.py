@@ -47,9 +47,10 @@ from ckpt.storage import FILE, Storage
 MAX_READ_SPAN_BYTES = 64 << 20
 MIN_LOCAL_SPAN_BYTES = 4 << 20
 LOCAL_SPANS = 8
-"""A local read is cut into about this many spans (each 4-64 MB), so that reading the
-next span overlaps checking and copying the current one even for a single small shard
-(one 32 MB span was read, then checked, then copied, in series)."""
+"""A read whose storage leaves the span to the reader (local files) is cut into about
+this many spans (each 4-64 MB), so that reading the next span overlaps checking and
+copying the current one even for a single small shard (one 32 MB span was read, then
+checked, then copied, in series)."""
 OBJECT_STORE_GAP_BYTES = 1 << 20
 """On an object store, items at most this far apart are read in one ranged request,
 the bytes between them included: each request costs a round trip (tens of ms on S3 and

@@ -48,9 +48,10 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from ckpt.defaults import process_defaults
 from ckpt.dist import Collective
 
-KEPT_LAYOUTS = 4
-"""Global plans a process keeps (the most recently used); a job saves one or two layouts
-(its training state, a different staging of it), a test process a few more."""
+KEPT_LAYOUTS = 2
+"""Global plans a process keeps (the most recently used): a job saves one layout, or two
+(its training state and another staging of it). The coordinator's hold every rank's
+plan and write results: millions of objects at thousands of ranks."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,6 +62,10 @@ class KeptPlan:
     plan: SavePlan
     all_plans: list[SavePlan] | None
     metadata: Metadata | None
+    rank: int
+    """This process's rank in the group it planned in: a kept plan is offered again only at
+    that rank (processes that swapped ranks have equal digests, not equal plans)."""
+    world_size: int
     written: dict[int, tuple[str, bytes, list[WriteResult]]] = dataclasses.field(
         default_factory=dict
     )
@@ -142,7 +147,7 @@ PlanCache = LruCache[bytes, KeptPlan]
 
 def kept_plans() -> PlanCache:
     """This process's kept global plans (in :mod:`ckpt.defaults`, made on first use)."""
-    return process_defaults().part("save_plans", PlanCache)
+    return process_defaults().part("save_plans", PlanCache, per_group=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,7 +170,9 @@ def layout_digest(plan: SavePlan, *, rank: int, world_size: int, planner: SavePl
     """
     h = hashlib.sha256()
     h.update(f"{type(planner).__module__}.{type(planner).__qualname__}".encode())
-    h.update(repr(getattr(planner, "block_bytes", None)).encode())
+    settings = ("block_bytes", "flatten_state_dict", "flatten_sharded_tensors",
+                "dedup_save_to_lowest_rank", "_enable_plan_caching")  # fmt: skip
+    h.update(repr([getattr(planner, name, None) for name in settings]).encode())
     h.update(f"|{rank}/{world_size}|".encode())
     h.update(repr(plan.storage_data).encode())
     h.update(repr(_sorted_mapping(plan.planner_data)).encode())
@@ -220,10 +227,17 @@ def save_state(
         )
         plan = writer.prepare_local_plan(planner.create_local_plan())
         local["plan"] = plan
-        local["kept"] = cache.snapshot()  # what this rank holds, as it tells the others
-        digest = layout_digest(
-            plan, rank=wrapper.rank, world_size=wrapper.get_world_size(), planner=planner
-        )
+        world = wrapper.get_world_size()
+        # What this rank holds, as it tells the others: plans it kept at this very rank
+        # (and, on the coordinator, with every rank's plan).
+        local["kept"] = {
+            key: kept
+            for key, kept in cache.snapshot().items()
+            if kept.rank == wrapper.rank
+            and kept.world_size == world
+            and (kept.all_plans is not None or not wrapper.is_coordinator)
+        }
+        digest = layout_digest(plan, rank=wrapper.rank, world_size=world, planner=planner)
         return digest, list(local["kept"])
 
     summaries = wrapper.all_gather("plan", plan_locally)
@@ -257,8 +271,9 @@ def agreed_layout(summaries: list[tuple[bytes, list[bytes]]]) -> tuple[bytes, bo
     whether every rank holds its plan.
 
     Every rank decides from the same gathered summaries, so all take their kept plan or
-    none does. The key covers each rank's place, so a kept plan was this rank's own, and
-    the coordinator's kept plan carries every rank's plan and the metadata.
+    none does. A rank offers only plans it kept at its present rank and world size (and
+    the coordinator only plans that carry every rank's plan and the metadata), so a kept
+    plan is this rank's own even when processes swapped ranks.
     """
     key = hashlib.sha256(b"".join(digest for digest, _ in summaries)).digest()
     return key, all(key in held for _, held in summaries)
@@ -278,7 +293,13 @@ def _plan_globally(
         return all_plans
 
     mine = wrapper.reduce_scatter("plan", lambda: plan, plan_globally)
-    return KeptPlan(plan=mine, all_plans=outcome.get("all_plans"), metadata=outcome.get("metadata"))
+    return KeptPlan(
+        plan=mine,
+        all_plans=outcome.get("all_plans"),
+        metadata=outcome.get("metadata"),
+        rank=wrapper.rank,
+        world_size=wrapper.get_world_size(),
+    )
 
 
 def _compact(plan: SavePlan, results: list[WriteResult]) -> tuple[str, bytes] | list[WriteResult]:

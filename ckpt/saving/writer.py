@@ -149,15 +149,33 @@ class BlockSavePlanner(DefaultSavePlanner):
 
 def local_plan_signature(state: dict[str, Any], is_coordinator: bool) -> tuple[Any, ...] | None:
     """What DCP's default local save plan of the (flattened) ``state`` depends on, item by
-    item; None when an item is of a kind this does not describe (a tensor that is neither
-    plain nor a DTensor: its plan is always made anew)."""
-    parts: list[Any] = [is_coordinator]
+    item, with this process's rank and each DTensor's mesh and coordinate in it (a mesh
+    compares equal across ranks; the shard offsets do not); None when an item is of a
+    kind this does not describe (a tensor neither plain nor a DTensor: planned anew).
+    Meshes are described, not held: a kept signature must not keep their groups alive."""
+    import torch.distributed as dist
+
+    where = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    parts: list[Any] = [is_coordinator, where]
+    meshes: dict[int, tuple[Any, ...]] = {}
     for fqn, obj in state.items():
         if isinstance(obj, DTensor):
             local = obj._local_tensor
             if type(obj) is not DTensor or type(local) is not torch.Tensor:
                 return None
-            parts.append((fqn, 1, obj.shape, obj.device_mesh, obj.placements, local.dtype,
+            mesh = obj.device_mesh
+            described = meshes.get(id(mesh))
+            if described is None:
+                coordinate = mesh.get_coordinate()
+                described = (
+                    mesh.device_type,
+                    tuple(mesh.mesh.shape),
+                    tuple(mesh.mesh.flatten().tolist()),
+                    mesh.mesh_dim_names,
+                    None if coordinate is None else tuple(coordinate),
+                )
+                meshes[id(mesh)] = described
+            parts.append((fqn, 1, obj.shape, described, obj.placements, local.dtype,
                           local.layout, obj.requires_grad, local.is_pinned()))  # fmt: skip
         elif isinstance(obj, torch.Tensor):
             if type(obj) not in (torch.Tensor, torch.nn.Parameter):
@@ -174,7 +192,7 @@ def local_plan_signature(state: dict[str, Any], is_coordinator: bool) -> tuple[A
 def kept_local_plans() -> LruCache[tuple[Any, ...], tuple[WriteItem, ...]]:
     """DCP's local plans of the states this process saved (a few, most recent kept; in
     :mod:`ckpt.defaults`)."""
-    return process_defaults().part("local_save_plans", LruCache)
+    return process_defaults().part("local_save_plans", LruCache, per_group=True)
 
 
 class ShardWriter(StorageWriter):
@@ -348,7 +366,8 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class SaveTemplates:
-    """``torch.save``'s bytes around a small tensor's raw data, kept by dtype and shape.
+    """``torch.save``'s bytes around a small tensor's raw data, kept by dtype, shape and
+    stride (a contiguous tensor's strides differ only on dimensions of size 1).
 
     ``torch.save`` costs ~0.1 ms per tensor whatever its size (it pickles the tensor and
     builds a zip archive of ~7 records); at tens of thousands of small tensors per rank
@@ -364,9 +383,7 @@ class SaveTemplates:
 
     def __init__(self, size: int = 4096) -> None:
         self.size = size
-        self._kept: OrderedDict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, bytes]] = (
-            OrderedDict()
-        )
+        self._kept: OrderedDict[tuple[Any, ...], tuple[bytes, bytes]] = OrderedDict()
         self._lock = threading.Lock()
 
     def serialize(self, tensor: torch.Tensor) -> bytes | memoryview:
@@ -374,7 +391,7 @@ class SaveTemplates:
         tensor on a storage of exactly its bytes (:func:`own_storage`)."""
         if not _templatable(tensor):
             return _torch_save(tensor)
-        key = (tensor.dtype, tuple(tensor.shape))
+        key = (tensor.dtype, tuple(tensor.shape), tensor.stride())
         with self._lock:
             kept = self._kept.get(key)
             if kept is not None:

@@ -21,6 +21,9 @@ from ckpt.format.checksum import ChecksummingWriter
 from ckpt.format.manifest import MAX_MARKER_BYTES
 from ckpt.storage.base import DIR, FILE, Calls, Produce
 
+GENERIC_READ_SPAN_BYTES = 64 << 20
+"""The span of a shard read on a filesystem this backend knows nothing of."""
+
 
 class FsspecBackend:
     """A :class:`~ckpt.storage.base.Backend` over one fsspec filesystem."""
@@ -98,7 +101,9 @@ class FsspecBackend:
         into[:] = self.read_range(path, start, start + into.nbytes, calls, phase=phase)
 
     def read_pipeline(self) -> tuple[int | None, int]:
-        return None, 1
+        # Spans of up to 64 MB, one ahead: a filesystem of unknown latency gets few,
+        # large reads (the local backend leaves the span to the reader).
+        return GENERIC_READ_SPAN_BYTES, 1
 
     def info(self, path: str) -> dict[str, Any]:
         self.fs.invalidate_cache(path)
