@@ -95,30 +95,28 @@ class _Sent:
         setattr(dist, name, counted)
 
 
+def _count_calls(cls: type, name: str) -> list[int]:
+    """Wrap ``cls.name`` in this process; the list grows by one per call."""
+    calls: list[int] = []
+    real = getattr(cls, name)
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    setattr(cls, name, counted)
+    return calls
+
+
 def repeated_saves_worker(rank: int, world: int, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from ckpt.saving import planning
     from ckpt.saving.writer import BlockSavePlanner
 
-    planned = []
-    real_global = BlockSavePlanner.create_global_plan
-
-    def counted_global(self, plans):
-        planned.append(len(plans))
-        return real_global(self, plans)
-
-    BlockSavePlanner.create_global_plan = counted_global
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    local_plans = []
-    real_local = DefaultSavePlanner.create_local_plan
-
-    def counted_local(self):
-        local_plans.append(1)
-        return real_local(self)
-
-    DefaultSavePlanner.create_local_plan = counted_local
+    planned = _count_calls(BlockSavePlanner, "create_global_plan")
+    local_plans = _count_calls(DefaultSavePlanner, "create_local_plan")
     sent = _Sent()
     state = _state(world, rank)
     rows = []
@@ -427,14 +425,7 @@ def swapped_ranks_worker(rank: int, world: int, root: str, init_file: str) -> di
 
     from ckpt.saving.writer import BlockSavePlanner
 
-    planned = []
-    real_global = BlockSavePlanner.create_global_plan
-
-    def counted_global(self, plans):
-        planned.append(len(plans))
-        return real_global(self, plans)
-
-    BlockSavePlanner.create_global_plan = counted_global
+    planned = _count_calls(BlockSavePlanner, "create_global_plan")
     state = _state(world, rank)
     ckpt.save(state, root, 1)
     ckpt.save(state, root, 2)
