@@ -131,6 +131,35 @@ def test_plain_dcp_load_reads_our_local_checkpoint(tmp_root):
     assert_state_equal(loaded, state)
 
 
+def test_a_checkpoint_written_by_python_3_11_2_loads_verifies_and_reads_in_stock_dcp(
+    tmp_root, monkeypatch
+):
+    """Python 3.11.0 to 3.11.3 (Debian 12's python3.11 is 3.11.2) pickle an enum member as
+    ``getattr(EnumClass, "NAME")``; DCP's .metadata holds one per tensor (its memory
+    format). A checkpoint written that way resumes, verifies deep and reads in dcp.load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    monkeypatch.setattr(
+        _MEM_FORMAT_ENCODING, "__reduce_ex__", lambda self, proto: (getattr, (type(self), self.name))
+    )
+    state = make_state(4)
+    url = ckpt.save(state, tmp_root, 4)
+    monkeypatch.undo()
+    assert b"getattr" in read(tmp_root, f"checkpoint_0000004/{DCP_METADATA_NAME}")
+    loaded = blank_state()
+    assert ckpt.load(loaded, tmp_root).step == 4
+    assert_state_equal(loaded, state)
+    verify = subprocess.run(
+        [sys.executable, "-m", "ckpt", "verify", "--deep", tmp_root],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    stock = blank_state()
+    dcp.load(stock, checkpoint_id=url)
+    assert_state_equal(stock, state)
+
+
 @pytest.mark.parametrize("phase", ["shard", "metadata", "manifest", "complete"])
 def test_save_interrupted_before_complete_is_not_discovered(any_root, phase):
     first = make_state(1)

@@ -71,6 +71,10 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 # TensorProperties pickles its memory format as this enum.
 _ALLOWED[(_DCP_METADATA, "_MEM_FORMAT_ENCODING")] = _MEM_FORMAT_ENCODING
+_ENUMS = frozenset({_MEM_FORMAT_ENCODING})
+"""Enums whose members may be named in a pickle: Python 3.11.0 to 3.11.3 (Debian 12's
+python3.11 is 3.11.2) pickle a member as ``getattr(EnumClass, "NAME")``, later ones as
+``EnumClass(value)``; both are read."""
 _DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 
@@ -82,8 +86,20 @@ def _layout(name: Any) -> torch.layout:
     return _LAYOUTS[name]
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """Stands in for ``builtins.getattr``: a member of an enum of :data:`_ENUMS` by its
+    name, nothing else (no other class, no attribute that is not a member)."""
+    if cls not in _ENUMS or not isinstance(name, str) or name not in cls.__members__:
+        raise pickle.UnpicklingError(
+            f"it asks for attribute {name!r} of {cls!r}, which is no member of an enum of "
+            "DCP metadata"
+        )
+    return cls[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only the objects of :data:`_ALLOWED`, torch dtypes and layouts."""
+    """Builds only the objects of :data:`_ALLOWED`, torch dtypes and layouts, and the
+    members of :data:`_ENUMS` by name."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
@@ -92,6 +108,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return _DTYPES[name]
         if (module, name) == ("torch.serialization", "_get_layout"):
             return _layout
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         raise pickle.UnpicklingError(
             f"it refers to {module}.{name}, which is not part of DCP metadata"
         )

@@ -135,6 +135,57 @@ def hostile_pickles(canary: str) -> dict[str, bytes]:
     out["ext1-unregistered"] = _frame(pickle.EXT1 + b"\x7f" + pickle.EMPTY_TUPLE + pickle.REDUCE, 2)
     out["persid"] = b"P0\n."
     out["binpersid"] = _frame(_unicode("x") + pickle.BINPERSID, 2)
+    # builtins.getattr, which an old Python's enum pickles use, reaching past an enum member
+    metadata_module = _unicode("torch.distributed.checkpoint.metadata")
+    for label, owner, attr in (
+        ("allowed-class-attr", "TensorProperties", "__reduce__"),
+        ("enum-dunder", "_MEM_FORMAT_ENCODING", "__class__"),
+        ("enum-method", "_MEM_FORMAT_ENCODING", "mro"),
+    ):
+        out[f"getattr-{label}"] = _frame(
+            _unicode("builtins")
+            + _unicode("getattr")
+            + pickle.STACK_GLOBAL
+            + metadata_module
+            + _unicode(owner)
+            + pickle.STACK_GLOBAL
+            + _unicode(attr)
+            + pickle.TUPLE2
+            + pickle.REDUCE
+            + _unicode(cmd)
+            + pickle.TUPLE1
+            + pickle.REDUCE
+        )
+    # ... and a real route to exec with an unchecked getattr: a dataclass's generated
+    # __init__ -> its module's globals -> __builtins__ -> exec
+    getattr_ = _unicode("builtins") + _unicode("getattr") + pickle.STACK_GLOBAL
+
+    def attr(obj: bytes, name: str) -> bytes:
+        return getattr_ + obj + _unicode(name) + pickle.TUPLE2 + pickle.REDUCE
+
+    def call(fn: bytes, arg: str) -> bytes:
+        return fn + _unicode(arg) + pickle.TUPLE1 + pickle.REDUCE
+
+    props = metadata_module + _unicode("TensorProperties") + pickle.STACK_GLOBAL
+    globals_get = attr(attr(attr(props, "__init__"), "__globals__"), "get")
+    builtins_get = attr(call(globals_get, "__builtins__"), "get")
+    out["getattr-walk-to-exec"] = _frame(
+        call(call(builtins_get, "exec"), f"open({canary!r}, 'w').close()")
+    )
+    out["getattr-os-system"] = _frame(
+        _unicode("builtins")
+        + _unicode("getattr")
+        + pickle.STACK_GLOBAL
+        + _unicode("os")
+        + _unicode("system")
+        + pickle.STACK_GLOBAL
+        + _unicode("__call__")
+        + pickle.TUPLE2
+        + pickle.REDUCE
+        + _unicode(cmd)
+        + pickle.TUPLE1
+        + pickle.REDUCE
+    )
     # a legit metadata object with a gadget nested inside one of its fields
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
