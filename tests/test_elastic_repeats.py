@@ -36,3 +36,45 @@ def test_two_launches_with_the_same_run_id_keep_separate_notes(tmp_path):
     assert a0 == a3 and a0 != b0 and a0
     assert launch_key({}) == "" and launch_key({"TORCHELASTIC_ERROR_FILE": "/x.json"}) == ""
     assert RepeatNotes("none", str(tmp_path), a0).path != RepeatNotes("none", str(tmp_path), b0).path
+
+
+def test_the_trainer_ends_a_doomed_attempt_before_it_imports_torch(tmp_path):
+    """An attempt that an earlier one's repeated error ends leaves at once (exit 1, the
+    reason said), without paying torch's import: torchrun's remaining restarts cost a
+    tenth of a second each, not a start-up each."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from elastic.repeats import NOTES_DIR
+
+    note_dir = tmp_path / NOTES_DIR
+    note_dir.mkdir()
+    # written by restart 1 of run "doomed" (the launch key is empty outside an agent's dir)
+    (note_dir / "doomed.json").write_text(
+        json.dumps(
+            {"error": "CheckpointShapeError", "point": "start-up", "message": "shapes differ",
+             "restart_count": 1, "repeated": True}
+        )
+    )  # fmt: skip
+    env = {
+        **os.environ, "TMPDIR": str(tmp_path), "TORCHELASTIC_RUN_ID": "doomed",
+        "TORCHELASTIC_RESTART_COUNT": "2", "RANK": "0", "WORLD_SIZE": "1",
+    }  # fmt: skip
+    env.pop("TORCHELASTIC_ERROR_FILE", None)
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['trainer', '--config', 'examples/tiny_gpt.toml']\n"
+        "try:\n"
+        "    runpy.run_module('trainer', run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    print('exit', exc.code, 'torch imported:', 'torch' in sys.modules)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=repo, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert "exit 1 torch imported: False" in out.stdout, out.stdout + out.stderr
+    assert "restart 2 of this job ends at start-up" in out.stderr, out.stderr

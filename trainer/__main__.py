@@ -18,20 +18,11 @@ import gc
 import logging
 import sys
 
-import ckpt
-from elastic.errors import Diverged, Preempted
 from elastic.identity import RunIdentity
 from elastic.process import exit_now
-from elastic.repeats import note_job_ending, stop_if_repeated
-from trainer.cli import build_parser, config_from_args
-from trainer.data import BatchLayout, BatchLayoutError
-from trainer.distributed import close_distributed, init_distributed
-from trainer.loop import ResumePastEndError, train
+from elastic.repeats import stop_if_repeated
 
 logger = logging.getLogger("trainer")
-
-USER_ERRORS = (BatchLayoutError, ckpt.CheckpointError, ResumePastEndError)
-"""Errors caused by the configuration or the environment: reported without a traceback."""
 
 
 def _setup_logging(rank: int) -> None:
@@ -45,22 +36,43 @@ def _setup_logging(rank: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse, check, build, train, close. Every rank runs it."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:
+        from trainer.report import main as report_main
+
+        return report_main(argv[1:])
+    try:
+        identity = RunIdentity.from_env()
+    except ValueError:
+        identity = None  # said by the parser below
+    if identity is not None:
+        # Before torch is imported: an attempt that an earlier one's repeated error ends
+        # (elastic/repeats.py) leaves in a tenth of a second instead of paying the imports.
+        stop_if_repeated(identity)
+    return _run(argv)
+
+
+def _run(argv: list[str]) -> int:
+    import ckpt
+    from elastic.errors import Diverged, Preempted
+    from elastic.repeats import note_job_ending
+    from trainer.cli import build_parser, config_from_args
+    from trainer.data import BatchLayout, BatchLayoutError
+    from trainer.distributed import close_distributed, init_distributed
+    from trainer.loop import ResumePastEndError, train
+
+    # Errors caused by the configuration or the environment: reported without a traceback.
+    user_errors = (BatchLayoutError, ckpt.CheckpointError, ResumePastEndError)
     # torch and the rest are imported: their objects live as long as the process, so the
     # cyclic collector stops walking them (a full collection otherwise takes a fraction
     # of a second and lands in a step or the resume at random). See docs/design.md,
     # "Warm restarts".
     gc.freeze()
-    if argv[:1] == ["report"]:
-        from trainer.report import main as report_main
-
-        return report_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         identity = RunIdentity.from_env()
     except ValueError as exc:
         parser.error(str(exc))
-    stop_if_repeated(identity)  # an earlier attempt's config error ends this one at once
     try:
         cfg = config_from_args(args)
     except ValueError as exc:
@@ -82,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         train(cfg, ctx)
-    except USER_ERRORS as exc:
+    except user_errors as exc:
         logger.error("rank %d: %s: %s", ctx.rank, type(exc).__name__, exc)
         return 1
     except Preempted as exc:
