@@ -11,6 +11,11 @@ import sys
 
 from testing.local_cluster import REPO, descendants
 
+MICRO_BATCH = "data.micro_batch=4"
+"""The ``--set`` of the e2e scenarios that train the tiny GPT (global batch 24): 1, 2 or 3
+ranks accumulate 6, 3 or 2 micro-batches per step. Half the FSDP passes of the config's
+micro-batch of 2, the same samples per step; accumulation still runs at every world size."""
+
 
 class RunTimeoutError(TimeoutError):
     """The command outlived its deadline; it and every descendant were SIGKILLed."""

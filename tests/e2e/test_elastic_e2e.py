@@ -22,6 +22,7 @@ import ckpt
 from bench.fault_cost import fault_cost
 from runcore import events as ev
 from testing.local_cluster import BACKENDS, REPO, ElasticJob
+from testing.procs import MICRO_BATCH
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -32,6 +33,7 @@ TRAINER_ARGS = [
     "--max-steps", str(STEPS), "--ckpt-every", str(EVERY),
     "--set", "run.save_final=true", "--set", "run.log_every=1",
     "--set", "data.corpus_chars=20000", "--set", "run.watchdog_s=15",
+    "--set", MICRO_BATCH,
 ]  # fmt: skip
 FINAL_PARAMS = "final_params.pt"
 
@@ -153,6 +155,7 @@ def test_agent_joins_job_continues_at_world_size_3(job_factory, backend):
     steps = 100  # long enough that the newcomer's torchrun starts before the job ends
     job = job_factory("join", rdzv_backend=backend)
     job.trainer_args[job.trainer_args.index(str(STEPS))] = str(steps)
+    job.trainer_args[job.trainer_args.index(MICRO_BATCH)] = "data.micro_batch=2"  # longer steps
     job.add_agent()
     job.add_agent()
     job.wait_for(lambda: job.last_step() >= 4, 150, "step 4 at world 2")

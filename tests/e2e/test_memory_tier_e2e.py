@@ -42,7 +42,7 @@ from ckpt.format.layout import shard_filename
 from ckpt.tiers.memory.layout import read_commit
 from testing.local_cluster import BACKENDS, REPO, ElasticJob
 from testing.ports import free_port
-from testing.procs import RunTimeoutError, run_bounded
+from testing.procs import MICRO_BATCH, RunTimeoutError, run_bounded
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -60,6 +60,7 @@ TRAINER_ARGS = [
     "--config", "examples/tiny_gpt.toml",
     "--max-steps", str(NODE_STEPS), "--ckpt-every", str(NODE_EVERY),
     "--set", "run.log_every=1", "--set", "data.corpus_chars=20000",
+    "--set", MICRO_BATCH,
 ]  # fmt: skip
 # Same samples on another world size, but gradients summed in another order: the
 # tolerance of the trainer's resharding tests (tests/test_trainer_e2e.py), which a wrong

@@ -25,6 +25,7 @@ import ckpt
 from elastic.heartbeat import DEFAULT_PEER_TIMEOUT_S
 from testing.local_cluster import BACKENDS, Agent, ElasticJob
 from testing.netns import IFNAME, Host, VirtualNetwork, netns_unavailable
+from testing.procs import MICRO_BATCH
 
 pytestmark = [pytest.mark.e2e]
 
@@ -34,6 +35,7 @@ TRAINER_ARGS = [
     "--config", "examples/tiny_gpt.toml",
     "--max-steps", str(STEPS), "--ckpt-every", str(EVERY),
     "--set", "run.log_every=1", "--set", "data.corpus_chars=20000",
+    "--set", MICRO_BATCH,
 ]  # fmt: skip
 RECOVERY_BOUND_S = 30.0
 """Freeze/cut -> first step at the new world size (measured: 12-13 s; bench: silent_node_loss)."""

@@ -36,7 +36,7 @@ import torch
 from testing.gcs_emulator import emulator_env
 from testing.local_cluster import descendants
 from testing.netns import netns_unavailable
-from testing.procs import torchrun_trainer
+from testing.procs import MICRO_BATCH, torchrun_trainer
 from testing.slurm import (
     FINAL_STATES,
     REPO,
@@ -54,7 +54,7 @@ EVERY = 20
 TRAINER_ARGS = [
     "--max-steps", str(STEPS), "--ckpt-every", str(EVERY),
     "--set", "run.log_every=1", "--set", "run.save_final=true",
-    "--set", "data.corpus_chars=20000",
+    "--set", "data.corpus_chars=20000", "--set", MICRO_BATCH,
 ]  # fmt: skip
 DONE = set(FINAL_STATES)
 
