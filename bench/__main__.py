@@ -586,7 +586,10 @@ def _silent(work: str, mode: Mode) -> list[m.Metric]:
             frozen="SIGSTOP of a non-zero rank's agent and worker",
             freeze_after_step=SILENT_FREEZE_AFTER,
             checkpoint_every_steps=ELASTIC_CKPT_EVERY,
-            settings="default trainer settings (run.peer_timeout_s=5, run.heartbeat_s=0.5)",
+            settings=(
+                "default trainer settings (run.peer_timeout_s=5, run.heartbeat_s=0.25, "
+                "run.node_timeout_s=1: the frozen node's keep-alive is the second witness)"
+            ),
             rdzv_backend=OURS_RDZV,
             launcher=launcher,
         )

@@ -17,6 +17,9 @@ Kinds:
 - `hang`: stop making progress forever, sleeping so the GIL stays free for the
   watchdog thread (which is what should notice it).
 - `sigterm`: SIGTERM to itself, as a preemption would deliver it.
+- `stall`: hold the GIL for `seconds=N` (default 10) and go on, as a full garbage
+  collection of a large heap or a C call that keeps the GIL does: every thread of the
+  process stops (the heartbeat's too) while the process lives.
 - `ckpt-storage`: the next checkpoint's writes on that rank fail (by default the first
   shard write, with a permanent error: `phase=shard:error=permanent:times=1`); the plan
   only reports it (`FaultPlan.storage_fault_due`), and `RunGuard` arms it in the
@@ -80,6 +83,7 @@ class FaultKind(str, enum.Enum):
     RAISE = "raise"
     HANG = "hang"
     SIGTERM = "sigterm"
+    STALL = "stall"
     CKPT_STORAGE = "ckpt-storage"
     NAN = "nan"
 
@@ -91,6 +95,9 @@ START_POINTS: tuple[str, ...] = ("init_process_group", "checkpoint_manager", "re
 reaches them."""
 STORAGE_KEYS: tuple[str, ...] = ("phase", "error", "times", "delay_ms")
 """Extra keys of a `ckpt-storage` spec, handed to the checkpoint library as they are."""
+STALL_KEYS: tuple[str, ...] = ("seconds",)
+"""Extra key of a `stall` spec: how long the GIL is held (whole seconds, default 10)."""
+DEFAULT_STALL_S = 10
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +116,8 @@ class FaultSpec:
     """Job-wide restart count of the attempt it fires in."""
     storage: tuple[tuple[str, str], ...] = ()
     """`ckpt-storage` only: the storage keys given (phase, error, times, delay_ms)."""
+    seconds: int = DEFAULT_STALL_S
+    """`stall` only: how long the GIL is held."""
 
     def __post_init__(self) -> None:
         if (self.step is None) == (self.at is None):
@@ -139,6 +148,8 @@ class FaultSpec:
         if self.rank is not None:
             text += f":rank={self.rank}"
         text += f":attempt={self.attempt}"
+        if self.kind is FaultKind.STALL:
+            text += f":seconds={self.seconds}"
         return "".join([text, *(f":{k}={v}" for k, v in self.storage)])
 
 
@@ -165,6 +176,7 @@ def parse_fault_spec(text: str) -> FaultSpec:
     except ValueError:
         raise _spec_error(text, f"unknown kind {kind_text!r}") from None
     allowed = VALID_KEYS + (STORAGE_KEYS if kind is FaultKind.CKPT_STORAGE else ())
+    allowed += STALL_KEYS if kind is FaultKind.STALL else ()
     values: dict[str, int] = {}
     storage: list[tuple[str, str]] = []
     at: str | None = None
@@ -195,6 +207,7 @@ def parse_fault_spec(text: str) -> FaultSpec:
         rank=values.get("rank"),
         attempt=values.get("attempt", 0),
         storage=tuple(storage),
+        seconds=values.get("seconds", DEFAULT_STALL_S),
     )
 
 
@@ -248,12 +261,27 @@ def _hang(spec: FaultSpec, step: int, rank: int) -> None:
     _hang_forever()
 
 
+def _stall(spec: FaultSpec, step: int, rank: int) -> None:
+    # A function of a ctypes.PyDLL keeps the GIL through the call (a CDLL's releases it):
+    # libc's sleep() in it stops every thread of the process, as a long garbage
+    # collection does, and the process stays alive and running.
+    import ctypes
+
+    _flush_logs()
+    started = time.monotonic()
+    left = spec.seconds
+    while left > 0:  # a signal cuts sleep() short; it returns the seconds left
+        left = int(ctypes.PyDLL(None).sleep(left))
+    logger.warning("rank %d step %d: held the GIL for %.1fs", rank, step, time.monotonic() - started)
+
+
 PROCESS_ACTIONS: Mapping[FaultKind, Callable[[FaultSpec, int, int], None]] = {
     FaultKind.RAISE: _raise,
     FaultKind.SIGTERM: _sigterm,
     FaultKind.KILL: _kill,
     FaultKind.EXIT: _exit,
     FaultKind.HANG: _hang,
+    FaultKind.STALL: _stall,
 }
 """What each process fault does to this process, by kind (:meth:`FaultPlan.fire`)."""
 

@@ -64,9 +64,11 @@ from elastic.heartbeat import (
     DEFAULT_PEER_TIMEOUT_S,
     PeerHeartbeat,
     SilentVerdict,
+    StallNotice,
     group_heartbeat,
 )
 from elastic.identity import RunIdentity, job_restart_count, restart_setup_problem
+from elastic.nodes import DEFAULT_NODE_TIMEOUT_S, DEFAULT_STALL_LIMIT_S
 from elastic.preemption import PreemptionHandler, agree_on_preemption
 from elastic.repeats import MAX_MESSAGE_CHARS, ErrorNote, merge_note, note_for, stop_if_repeated
 from elastic.straggler import StragglerMonitor
@@ -140,7 +142,11 @@ class RunGuard:
     ``slow_phase_s`` more.
     ``peer_timeout_s``: leave (exit 125) when a peer's heartbeat or the store has been
     silent this long (0: off); ``heartbeat_s``: seconds between heartbeats. On when the
-    default process group has more than one rank and a TCP store (torchrun's).
+    default process group has more than one rank and a TCP store (torchrun's). Under
+    ``--rdzv_backend=ft`` the peers' node keep-alives are read too (:mod:`elastic.nodes`):
+    a peer whose node stopped as well is silent after ``node_timeout_s`` (0: never read
+    them); one whose node lives is stalled, said at WARNING (event ``peer_stalled``) and
+    waited for up to ``stall_limit_s``.
     ``straggler_every``: compare step times across ranks every N steps (0: off).
     ``grace_s``: seconds between the signal and SIGKILL (default: from the environment,
     see :func:`elastic.preemption.grace_from_env`).
@@ -167,6 +173,8 @@ class RunGuard:
         env: Mapping[str, str] | None = None,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+        node_timeout_s: float = DEFAULT_NODE_TIMEOUT_S,
+        stall_limit_s: float = DEFAULT_STALL_LIMIT_S,
         divergence: str = _div.STOP,
         rollback_skip: int | str = _div.AUTO,
         max_rollbacks: int = 3,
@@ -191,8 +199,12 @@ class RunGuard:
         self.watchdog_s: float = AUTO_WATCHDOG_MAX_S if fixed is None else fixed
         if peer_timeout_s < 0 or not math.isfinite(peer_timeout_s):
             raise ValueError(f"peer_timeout_s must be seconds >= 0, got {peer_timeout_s!r}")
+        if node_timeout_s < 0 or not math.isfinite(node_timeout_s):
+            raise ValueError(f"node_timeout_s must be seconds >= 0, got {node_timeout_s!r}")
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
+        self.node_timeout_s = node_timeout_s
+        self.stall_limit_s = stall_limit_s
         self.run_id = identity.run_id
         self.dump_dir = dump_dir or tempfile.gettempdir()
         self.slow_phase_s = slow_phase_s
@@ -316,6 +328,9 @@ class RunGuard:
                 interval_s=self.heartbeat_s,
                 timeout_s=self.peer_timeout_s,
                 on_silent=self._on_peer_silent,
+                node_timeout_s=self.node_timeout_s,
+                stall_limit_s=self.stall_limit_s,
+                on_stall=self._on_peer_stalled,
             )
             return startup
         return group_heartbeat(
@@ -325,10 +340,16 @@ class RunGuard:
             timeout_s=self.peer_timeout_s,
             on_silent=self._on_peer_silent,
             env=self._env,
+            node_timeout_s=self.node_timeout_s,
+            stall_limit_s=self.stall_limit_s,
+            on_stall=self._on_peer_stalled,
         )
 
     def _on_peer_silent(self, verdict: SilentVerdict) -> None:
         self.event(ev.PEER_SILENT, self._step, every_rank=True, rank=self.rank, **verdict.fields())
+
+    def _on_peer_stalled(self, notice: StallNotice) -> None:
+        self.event(ev.PEER_STALLED, self._step, every_rank=True, rank=self.rank, **notice.fields())
 
     def event(self, name: str, step: int, *, every_rank: bool = False, **fields: Any) -> None:
         """Record an event: a fact of this rank alone (``every_rank``: a fault fired here) is

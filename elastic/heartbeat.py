@@ -31,6 +31,12 @@ pure C loop such as ``sum(range(10**9))``); such a rank looks frozen and is remo
 When this rank's own threads were not scheduled for a while (the monitor woke much
 later than asked), it judges nobody from that gap and starts observing afresh.
 
+Under ``--rdzv_backend=ft`` a third thread reads the keep-alives that the peers' torchrun
+agents write to the rendezvous store (:mod:`elastic.nodes`): a peer whose node stopped
+too is silent after the node bound (1 s) instead of the peer bound, and a peer whose
+node lives while its own heartbeat stopped (a process holding the GIL) is said to be
+stalled and waited for (:func:`peer_status`).
+
 Standard library only at import time (the store client imports torch lazily).
 """
 
@@ -48,12 +54,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from elastic.nodes import (
+    DEFAULT_NODE_TIMEOUT_S,
+    DEFAULT_STALL_LIMIT_S,
+    NodeChannel,
+    check_node_bounds,
+    keepalive_counter,
+    node_id_text,
+)
 from elastic.process import call_bounded, leave_from_monitor
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HEARTBEAT_S = 0.5
-"""Seconds between two heartbeats (and two reads of the peers' counters)."""
+DEFAULT_HEARTBEAT_S = 0.25
+"""Seconds between two heartbeats (and two reads of the peers' counters and of their
+nodes' keep-alives)."""
 DEFAULT_PEER_TIMEOUT_S = 5.0
 """A peer whose counter did not move for this long is silent."""
 PEER_SILENT_EXIT_CODE = 125
@@ -118,6 +133,46 @@ def silent_peers(last_seen: Mapping[int, float], now: float, bound: float) -> li
     if not math.isfinite(bound) or bound <= 0:
         raise ValueError(f"bound must be a finite number > 0, got {bound}")
     return sorted(rank for rank, seen in last_seen.items() if now - seen > bound)
+
+
+OK, SILENT, NODE_SILENT, STALLED, STALL_LIMIT = "ok", "silent", "node_silent", "stalled", "stall_limit"
+"""What :func:`peer_status` says of a peer: alive; silent past the peer bound (no node
+keep-alive to read); silent with its node's keep-alive (frozen or cut off); stalled (its
+node lives); stalled past the stall limit. The three silent ones end this rank."""
+SILENT_STATUSES = frozenset({SILENT, NODE_SILENT, STALL_LIMIT})
+
+
+def peer_status(
+    age: float,
+    node_age: float | None,
+    *,
+    timeout_s: float,
+    node_timeout_s: float,
+    stall_limit_s: float,
+) -> str:
+    """Pure. ``age``: seconds since the peer's heartbeat counter last moved; ``node_age``:
+    since its node's keep-alive last moved, None when there is none to read (then the
+    peer bound ``timeout_s`` alone decides, as without :mod:`elastic.nodes`)."""
+    if node_age is None:
+        return SILENT if age > timeout_s else OK
+    if node_age > node_timeout_s and age > node_timeout_s:
+        return NODE_SILENT
+    if age > stall_limit_s:
+        return STALL_LIMIT
+    return STALLED if age > timeout_s else OK
+
+
+def store_status(
+    store_age: float, host_node_age: float | None, *, timeout_s: float, node_timeout_s: float
+) -> str:
+    """Pure. The store (hosted by a rank's process) has not answered for ``store_age``:
+    silent past ``timeout_s``, or past ``node_timeout_s`` when the host's node keep-alive
+    stopped too; else alive."""
+    if store_age > timeout_s:
+        return SILENT
+    if host_node_age is not None and host_node_age > node_timeout_s and store_age > node_timeout_s:
+        return NODE_SILENT
+    return OK
 
 
 def watched_peers(
@@ -253,9 +308,14 @@ def group_heartbeat(
     keep_running: Callable[[], bool] | None = None,
     judge_store: bool = True,
     env: Mapping[str, str] | None = None,
+    node_timeout_s: float = DEFAULT_NODE_TIMEOUT_S,
+    stall_limit_s: float = DEFAULT_STALL_LIMIT_S,
+    on_stall: Callable[[StallNotice], None] | None = None,
 ) -> PeerHeartbeat | None:
     """A started detector over the default process group's TCP store (keys of
     :func:`namespace`), or None: ``timeout_s`` 0, no group of 2+ ranks, or not a TCP store.
+    Under ``--rdzv_backend=ft`` it also reads the peers' node keep-alives
+    (:mod:`elastic.nodes`; ``node_timeout_s`` 0: never).
 
     Every rank of the group calls it at the same point (``elastic.init_distributed`` right
     after the group exists; ``RunGuard`` on entry when it has no detector to take over).
@@ -283,6 +343,10 @@ def group_heartbeat(
         on_silent=on_silent,
         keep_running=keep_running,
         judge_store=judge_store,
+        nodes=NodeChannel.from_env(env) if node_timeout_s > 0 else None,
+        node_timeout_s=node_timeout_s or DEFAULT_NODE_TIMEOUT_S,
+        stall_limit_s=stall_limit_s,
+        on_stall=on_stall,
     )
     return heartbeat.start()
 
@@ -307,6 +371,9 @@ class SilentVerdict:
     """True when the store itself stopped answering."""
     store: str
     """Where the store is (:meth:`StoreAddress.describe`)."""
+    node_witness: bool = False
+    """True when the silent ranks' node keep-alive had stopped too (:mod:`elastic.nodes`),
+    which is what let the verdict come at the node bound."""
 
     def message(self) -> str:
         who = ", ".join(
@@ -316,6 +383,11 @@ class SilentVerdict:
             what = f"{self.store} has not answered for {self.silent_s:.1f}s"
             if who:
                 what += f": {who} is silent (frozen, or its link is cut)"
+        elif self.node_witness:
+            what = (
+                f"{who} sent no heartbeat for {self.silent_s:.1f}s through {self.store} and "
+                "its node's keep-alive stopped too (frozen, or its link is cut)"
+            )
         else:
             what = (
                 f"{who} sent no heartbeat for {self.silent_s:.1f}s through {self.store} "
@@ -336,6 +408,40 @@ class SilentVerdict:
             "bound_s": self.bound_s,
             "store_silent": self.store_silent,
             "store": self.store,
+            "node_witness": self.node_witness,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StallNotice:
+    """A peer sent no heartbeat past the peer bound while its node lives: it is waited for."""
+
+    rank: int
+    """The rank that noticed."""
+    stalled_rank: int
+    stalled_s: float
+    host: str
+    """What the stalled rank said about itself at start: host, address, pid."""
+    node: str
+    limit_s: float
+    """How long it is waited for in all (the stall limit) before it counts as silent."""
+
+    def message(self) -> str:
+        return (
+            f"rank {self.rank}: rank {self.stalled_rank} ({self.host}) sent no heartbeat for "
+            f"{self.stalled_s:.1f}s, but its node {self.node} is alive: its process is "
+            "stalled (a long garbage collection, a call that holds the GIL, swapping), not "
+            f"gone; waiting for it up to {self.limit_s:.0f}s"
+        )
+
+    def fields(self) -> dict[str, Any]:
+        """Event fields (``peer_stalled``)."""
+        return {
+            "stalled_rank": self.stalled_rank,
+            "stalled_s": round(self.stalled_s, 3),
+            "host": self.host,
+            "node": self.node,
+            "limit_s": self.limit_s,
         }
 
 
@@ -356,6 +462,15 @@ class _Observed:
     errors: int = 0
     max_round_trip_s: float = 0.0
     max_beat_gap_s: float = 0.0
+    node_of: dict[int, str] = field(default_factory=dict)
+    """Each peer's node id, as it published it (:mod:`elastic.nodes`)."""
+    node_values: dict[str, int] = field(default_factory=dict)
+    node_seen: dict[str, float] = field(default_factory=dict)
+    """Monotonic time each node's keep-alive was last seen moving (or first read)."""
+    node_ok: float | None = None
+    """Monotonic time of the last completed read of the node keep-alives."""
+    stalled: dict[int, float] = field(default_factory=dict)
+    """Peers said stalled, with the time their heartbeat had last moved then."""
 
 
 class PeerHeartbeat:
@@ -386,8 +501,15 @@ class PeerHeartbeat:
         self_info: str | None = None,
         keep_running: Callable[[], bool] | None = None,
         judge_store: bool = True,
+        nodes: NodeChannel | None = None,
+        node_timeout_s: float = DEFAULT_NODE_TIMEOUT_S,
+        stall_limit_s: float = DEFAULT_STALL_LIMIT_S,
+        connect_nodes: Callable[[], StoreLike] | None = None,
+        on_stall: Callable[[StallNotice], None] | None = None,
     ) -> None:
         _check_bounds(interval_s, timeout_s)
+        if nodes is not None:
+            check_node_bounds(node_timeout_s, stall_limit_s, interval_s)
         self.rank = rank
         self.world_size = world_size
         self.address = address
@@ -408,6 +530,16 @@ class PeerHeartbeat:
         self.judge_store = judge_store
         """False: a store that stopped answering is no verdict, only peers that stopped
         while it answered are (the start-up detector: see ``elastic.distributed``)."""
+        self.nodes = nodes
+        """Where the peers' node keep-alives are read (None: not under ``ft``)."""
+        self.node_timeout_s = float(node_timeout_s)
+        self.stall_limit_s = float(stall_limit_s)
+        self.on_stall = on_stall
+        self._connect_nodes = connect_nodes or (
+            lambda: tcp_store_client(
+                StoreAddress(nodes.host, nodes.port, None), min(1.0, self.node_timeout_s / 2)
+            )
+        )
         self.self_info = self_info or self._describe_self()
         self.verdict: SilentVerdict | None = None
         self._lock = threading.Lock()
@@ -423,6 +555,9 @@ class PeerHeartbeat:
     def host_key(self, rank: int) -> str:
         return f"{self.key_prefix}/host/{rank}"
 
+    def node_key(self, rank: int) -> str:
+        return f"{self.key_prefix}/node/{rank}"
+
     def _describe_self(self) -> str:
         addr = local_address(self.address.host, self.address.port)
         where = f", address {addr}" if addr else ""
@@ -437,15 +572,23 @@ class PeerHeartbeat:
         now = time.monotonic()
         first = now + self.startup_grace_s
         self._observed = _Observed(last_ok=now, last_seen=dict.fromkeys(self.peers, first))
-        for target, name in ((self._round_trips, "io"), (self._monitor, "monitor")):
+        targets = [(self._round_trips, "io"), (self._monitor, "monitor")]
+        if self.nodes is not None:
+            targets.append((self._node_reads, "nodes"))
+        for target, name in targets:
             thread = threading.Thread(
                 target=target, name=f"elastic-heartbeat-{name}-rank{self.rank}", daemon=True
             )
             self._threads.append(thread)
             thread.start()
         logger.info(
-            "rank %d: peer heartbeat every %.1fs through %s, watching %d peer(s), bound %.1fs",
+            "rank %d: peer heartbeat every %.2fs through %s, watching %d peer(s), bound %.1fs%s",
             self.rank, self.interval_s, self.address.describe(), len(self.peers), self.timeout_s,
+            "" if self.nodes is None else (
+                f"; with their nodes' keep-alives from {self.nodes.describe()}: bound "
+                f"{self.node_timeout_s:.1f}s when a node stops too, a stalled rank waited "
+                f"for up to {self.stall_limit_s:.0f}s"
+            ),
         )  # fmt: skip
         return self
 
@@ -479,17 +622,29 @@ class PeerHeartbeat:
         on_silent: Callable[[SilentVerdict], None] | None,
         keep_running: Callable[[], bool] | None = None,
         judge_store: bool = True,
+        node_timeout_s: float | None = None,
+        stall_limit_s: float | None = None,
+        on_stall: Callable[[StallNotice], None] | None = None,
     ) -> None:
         """New settings for a running detector (a new owner takes it over: ``RunGuard``
         adopting the start-up detector of ``init_distributed``); the threads read them at
         their next round."""
         _check_bounds(interval_s, timeout_s)
+        node_timeout = self.node_timeout_s if node_timeout_s is None else node_timeout_s
+        stall_limit = self.stall_limit_s if stall_limit_s is None else stall_limit_s
+        if self.nodes is not None and node_timeout > 0:
+            check_node_bounds(node_timeout, stall_limit, interval_s)
         with self._lock:
             self.interval_s = float(interval_s)
             self.timeout_s = float(timeout_s)
             self.on_silent = on_silent
             self.keep_running = keep_running
             self.judge_store = judge_store
+            self.on_stall = on_stall
+            if node_timeout_s == 0:
+                self.nodes = None  # the new owner reads no keep-alives
+            self.node_timeout_s = float(node_timeout or DEFAULT_NODE_TIMEOUT_S)
+            self.stall_limit_s = float(stall_limit)
 
     def __enter__(self) -> PeerHeartbeat:
         return self.start()
@@ -533,6 +688,8 @@ class PeerHeartbeat:
                 if store is None:
                     store = self._connect()
                     store.set(self.host_key(self.rank), self.self_info)
+                    if self.nodes is not None:
+                        store.set(self.node_key(self.rank), self.nodes.node_id)
                     for key in keys:  # create missing counters, so multi_get never waits
                         if not store.check([key]):  # (an add to a malformed one breaks
                             store.add(key, 0)  # the connection)
@@ -541,6 +698,8 @@ class PeerHeartbeat:
                 beat_at = time.monotonic()
                 values = store.multi_get(keys)
                 hosts = self._read_hosts(store)
+                if self.nodes is not None:
+                    self._read_nodes_of(store)
                 self._record(values, hosts, started, beat_at, last_beat)
                 last_beat = beat_at
             except Exception as exc:
@@ -596,6 +755,75 @@ class PeerHeartbeat:
                 out[peer] = store.get(key).decode(errors="replace")
         return out
 
+    def _read_nodes_of(self, store: StoreLike) -> None:
+        """The node ids the peers (and the store's host) published, once each."""
+        obs = self._observed
+        assert obs is not None
+        wanted = [*self.peers]
+        host = self.address.host_rank
+        if host is not None and host != self.rank and host not in wanted:
+            wanted.append(host)
+        for peer in wanted:
+            if peer in obs.node_of:
+                continue
+            key = self.node_key(peer)
+            if not store.check([key]):
+                continue
+            raw = store.get(key)
+            node = node_id_text(raw)
+            if node is None:
+                self._warn_malformed(key, raw)
+                continue
+            with self._lock:
+                obs.node_of[peer] = node
+
+    def _node_reads(self) -> None:
+        """Read the peers' node keep-alives every interval (a thread of its own: the
+        rendezvous store may stop answering without the process group's store doing so)."""
+        channel = self.nodes
+        assert channel is not None
+        store: StoreLike | None = None
+        warned = False
+        while not self._stop.wait(self.interval_s):
+            if self.nodes is None:
+                return  # turned off by a new owner
+            obs = self._observed
+            assert obs is not None
+            with self._lock:
+                nodes = sorted(set(obs.node_of.values()))
+            if not nodes:
+                continue
+            try:
+                if store is None:
+                    store = self._connect_nodes()
+                keys = [channel.key(n) for n in nodes]
+                if store.check(keys):
+                    present = list(zip(nodes, keys))
+                else:  # a node that has not written one yet: read the others
+                    present = [(n, k) for n, k in zip(nodes, keys) if store.check([k])]
+                values = store.multi_get([k for _, k in present]) if present else []
+            except Exception as exc:
+                store = None
+                if not warned:
+                    logger.warning(
+                        "rank %d: reading node keep-alives from %s failed (%s); judging by "
+                        "heartbeats alone until it answers",
+                        self.rank, channel.describe(), exc,
+                    )  # fmt: skip
+                    warned = True
+                continue
+            now = time.monotonic()
+            with self._lock:
+                obs.node_ok = now
+                for (node, key), raw in zip(present, values):
+                    counter = keepalive_counter(raw)
+                    if counter is None:
+                        self._warn_malformed(key, raw)
+                        continue
+                    if obs.node_values.get(node) != counter:
+                        obs.node_values[node] = counter
+                        obs.node_seen[node] = now
+
     def _record(
         self,
         values: list[bytes],
@@ -641,6 +869,13 @@ class PeerHeartbeat:
 
     def judge(self, now: float, baseline: float) -> SilentVerdict | None:
         """The verdict at ``now``, ignoring anything before ``baseline`` (a self-stall)."""
+        return self._assess(now, baseline)[0]
+
+    def _assess(
+        self, now: float, baseline: float
+    ) -> tuple[SilentVerdict | None, list[StallNotice]]:
+        """The verdict at ``now`` (ignoring anything before ``baseline``), and the peers
+        that are stalled while their nodes live (:func:`peer_status`)."""
         with self._lock:
             obs = self._observed
             assert obs is not None
@@ -648,32 +883,97 @@ class PeerHeartbeat:
             seen = {p: max(t, baseline) for p, t in obs.last_seen.items() if p not in obs.left}
             hosts = dict(obs.hosts)
             host_left = self.address.host_rank in obs.left
+            node_of = dict(obs.node_of)
+            node_seen = dict(obs.node_seen)
+            node_ok = obs.node_ok
+            nodes_on = self.nodes is not None
+        # Node keep-alives witness only while this rank reads them: a rendezvous store that
+        # stopped answering here (this node is the cut one) leaves the peer bound alone.
+        witnessing = nodes_on and node_ok is not None and now - node_ok <= self.node_timeout_s
+
+        def node_age(rank: int | None) -> float | None:
+            node = node_of.get(rank) if witnessing and rank is not None else None
+            seen_at = node_seen.get(node) if node is not None else None
+            return None if seen_at is None else now - max(seen_at, baseline)
+
         store_age = now - max(last_ok, baseline)
-        if self.judge_store and store_age > self.timeout_s and not host_left:
-            host = self.address.host_rank
-            silent = [host] if host is not None and host != self.rank else []
-            return self._verdict(silent, hosts, store_age, store_silent=True)
+        host = self.address.host_rank
+        if self.judge_store and not host_left:
+            status = store_status(
+                store_age,
+                node_age(host) if host != self.rank else None,
+                timeout_s=self.timeout_s,
+                node_timeout_s=self.node_timeout_s,
+            )
+            if status != OK:
+                silent = [host] if host is not None and host != self.rank else []
+                fast = status == NODE_SILENT
+                verdict = self._verdict(
+                    silent, hosts, store_age, store_silent=True, node_witness=fast,
+                    bound_s=self.node_timeout_s if fast else self.timeout_s,
+                )  # fmt: skip
+                return verdict, []
         # A peer is silent when its counter has not moved for the bound, and it had already
         # stopped while the store still answered (by more than two heartbeats at the last
         # completed read): a slow or departed store alone is not a peer's fault, and a peer
         # that was silent before the store went away (its host left first) still is.
         margin = 2 * self.interval_s + 0.25
-        silent = [p for p in silent_peers(seen, now, self.timeout_s) if last_ok - seen[p] > margin]
+        statuses: dict[int, str] = {}
+        for peer, seen_at in seen.items():
+            if last_ok - seen_at <= margin:
+                continue
+            statuses[peer] = peer_status(
+                now - seen_at,
+                node_age(peer),
+                timeout_s=self.timeout_s,
+                node_timeout_s=self.node_timeout_s,
+                stall_limit_s=self.stall_limit_s,
+            )
+        stalled = [
+            StallNotice(
+                rank=self.rank,
+                stalled_rank=peer,
+                stalled_s=now - seen[peer],
+                host=hosts.get(peer, "host unknown"),
+                node=node_of.get(peer, "unknown"),
+                limit_s=self.stall_limit_s,
+            )
+            for peer, status in sorted(statuses.items())
+            if status == STALLED
+        ]
+        silent = sorted(p for p, status in statuses.items() if status in SILENT_STATUSES)
         if not silent:
-            return None
-        return self._verdict(silent, hosts, now - seen[silent[0]], store_silent=False)
+            return None, stalled
+        # The verdict's bound is the one the first silent rank passed.
+        first = statuses[silent[0]]
+        bound = {NODE_SILENT: self.node_timeout_s, STALL_LIMIT: self.stall_limit_s}.get(
+            first, self.timeout_s
+        )
+        verdict = self._verdict(
+            silent, hosts, now - seen[silent[0]], store_silent=False,
+            node_witness=first == NODE_SILENT, bound_s=bound,
+        )  # fmt: skip
+        return verdict, stalled
 
     def _verdict(
-        self, silent: list[int], hosts: dict[int, str], silent_s: float, *, store_silent: bool
+        self,
+        silent: list[int],
+        hosts: dict[int, str],
+        silent_s: float,
+        *,
+        store_silent: bool,
+        node_witness: bool = False,
+        bound_s: float | None = None,
     ) -> SilentVerdict:
         return SilentVerdict(
             rank=self.rank,
             silent_ranks=silent,
             hosts={r: hosts.get(r, "host unknown: no heartbeat seen") for r in silent},
             silent_s=silent_s,
-            bound_s=self.timeout_s,
+            bound_s=self.timeout_s if bound_s is None else bound_s,
             store_silent=store_silent,
             store=self.address.describe(),
+            node_witness=node_witness,
         )
 
     def _monitor(self) -> None:
@@ -689,10 +989,33 @@ class PeerHeartbeat:
                 )  # fmt: skip
                 baseline = now
             previous = now
-            verdict = self.judge(now, baseline)
+            verdict, stalled = self._assess(now, baseline)
+            self._say_stalls(stalled)
             if verdict is not None:
                 self._act(verdict)
                 return
+
+    def _say_stalls(self, stalled: list[StallNotice]) -> None:
+        """Say each stall once (WARNING and ``on_stall``); and, at INFO, a stalled peer
+        whose heartbeat moves again."""
+        obs = self._observed
+        assert obs is not None
+        with self._lock:
+            said = dict(obs.stalled)
+            resumed = [p for p, at in said.items() if obs.last_seen.get(p, at) > at]
+            for peer in resumed:
+                del obs.stalled[peer]
+            new = [n for n in stalled if n.stalled_rank not in obs.stalled]
+            for notice in new:
+                obs.stalled[notice.stalled_rank] = obs.last_seen.get(notice.stalled_rank, 0.0)
+        for peer in resumed:
+            logger.info("rank %d: rank %d sends heartbeats again", self.rank, peer)
+        for notice in new:
+            logger.warning("%s", notice.message())
+            if self.on_stall is not None:
+                call_bounded(self.on_stall, notice, name="elastic-heartbeat-on-stall",
+                             limit_s=ON_SILENT_LIMIT_S,
+                             what=f"rank {self.rank}: heartbeat on_stall callback")  # fmt: skip
 
     def _act(self, verdict: SilentVerdict) -> None:
         self.verdict = verdict

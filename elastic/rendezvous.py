@@ -13,7 +13,9 @@ failure finishes as soon as every live member of the previous round has rejoined
 dead agent is left out as soon as its keep-alive is older than ``keep_alive_timeout``,
 and ``use_agent_store`` is false: workers build their own store from
 ``MASTER_ADDR``/``MASTER_PORT``, so ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` is never
-needed.
+needed. After each round the agent puts the store's address and its node id in its
+environment, which torchrun copies into the workers it starts (:mod:`elastic.nodes`):
+their peer failure detector reads the nodes' keep-alives as a second witness.
 
 Store layout, all under ``ft/<run_id>/`` (the run id fences jobs apart):
 
@@ -62,7 +64,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -81,6 +83,8 @@ from torch.distributed.elastic.rendezvous.utils import (
     _matches_machine_hostname,
     parse_rendezvous_endpoint,
 )
+
+from elastic.nodes import export_node, keepalive_key
 
 log = logging.getLogger(__name__)
 
@@ -315,6 +319,7 @@ class FtRendezvousHandler(RendezvousHandler):
         node_id: str | None = None,
         heartbeat_store: Store | None = None,
         listener: socket.socket | None = None,
+        export_to: MutableMapping[str, str] | None = None,
     ) -> None:
         if min_nodes < 1 or max_nodes < min_nodes:
             raise ValueError(f"bad node range {min_nodes}:{max_nodes}")
@@ -335,6 +340,9 @@ class FtRendezvousHandler(RendezvousHandler):
         self._shut = False
         self._malformed: set[str] = set()
         self._listener = listener  # the hosted store serves on it: kept open while we live
+        self._export_to = export_to
+        """Where each round tells the workers about this node's keep-alive (torchrun's agent:
+        ``os.environ``, which it copies into every worker; None: nowhere)."""
 
     # -- keys -----------------------------------------------------------------------------
 
@@ -415,6 +423,7 @@ class FtRendezvousHandler(RendezvousHandler):
         rank = members.index(self.node_id)
         store = PrefixStore(self._rkey(rnd, "agent/"), self._agent_base)
         info = RendezvousStoreInfo.build(rank, store, self._local_addr)
+        self._export_node()
         log.info(
             "ft rendezvous %s round %d complete: rank %d of %d",
             self._run_id,
@@ -423,6 +432,16 @@ class FtRendezvousHandler(RendezvousHandler):
             len(members),
         )
         return RendezvousInfo(store, rank, len(members), info)
+
+    def _export_node(self) -> None:
+        """Tell the workers torchrun starts next where this node's keep-alive is: the
+        agent's environment is what torchrun copies into each of them (elastic/nodes.py;
+        their peer failure detector reads it)."""
+        host, port = getattr(self._store, "host", None), getattr(self._store, "port", None)
+        if self._export_to is None:
+            return
+        if isinstance(host, str) and host and isinstance(port, int) and port > 0:
+            export_node(self._export_to, host, port, self.node_id)
 
     # -- the round ------------------------------------------------------------------------
 
@@ -558,7 +577,7 @@ class FtRendezvousHandler(RendezvousHandler):
         joiner writes its keep-alive before it takes a slot, so each key is there."""
         if not nodes:
             return []
-        values = self._store.multi_get([self._key(f"hb/{n}") for n in nodes])
+        values = self._store.multi_get([keepalive_key(self._run_id, n) for n in nodes])
         now = time.time()
         return [
             n
@@ -569,7 +588,7 @@ class FtRendezvousHandler(RendezvousHandler):
     # -- keep-alive -----------------------------------------------------------------------
 
     def _hb(self, node: str) -> str | None:
-        key = self._key(f"hb/{node}")
+        key = keepalive_key(self._run_id, node)
         if not self._store.check([key]):
             return None
         return _text(self._store.get(key))
@@ -580,7 +599,7 @@ class FtRendezvousHandler(RendezvousHandler):
         store = self._hb_store
         if store is None:
             store = self._store.clone() if isinstance(self._store, TCPStore) else self._store
-        key = self._key(f"hb/{self.node_id}")
+        key = keepalive_key(self._run_id, self.node_id)
         store.set(key, f"0 {time.time()}")
         # The thread holds no reference to the handler: a handler dropped without
         # shutdown() is collected, and its finalizer stops the keep-alive.
@@ -681,4 +700,5 @@ def create_handler(params: RendezvousParameters) -> FtRendezvousHandler:
         local_addr=params.local_addr,
         heartbeat_store=heartbeat,
         listener=listener,
+        export_to=os.environ,
     )

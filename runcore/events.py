@@ -48,6 +48,7 @@ BATCH_CHANGE = "batch_change"
 # -- the run log: RunGuard -----------------------------------------------------------------
 FAULT = "fault"
 PEER_SILENT = "peer_silent"
+PEER_STALLED = "peer_stalled"
 WATCHDOG_STALL = "watchdog_stall"
 PREEMPTED = "preempted"
 STRAGGLERS = "stragglers"
@@ -110,6 +111,12 @@ _TYPES = (
         ("rank", "silent_ranks", "hosts", "silent_s", "bound_s", "store_silent", "store"),
         "elastic.guard",
         "the heartbeat found peers silent past the bound; the rank exits",
+    ),
+    EventType(
+        PEER_STALLED,
+        ("rank", "stalled_rank", "stalled_s", "host", "node", "limit_s"),
+        "elastic.guard",
+        "a peer sent no heartbeat past the bound while its node lived: waited for, not removed",
     ),
     EventType(
         WATCHDOG_STALL,

@@ -503,7 +503,8 @@ def test_trainer_config_turns_the_detector_on_by_default() -> None:
     from trainer.config import load_config
 
     run = load_config(None).run
-    assert (run.peer_timeout_s, run.heartbeat_s) == (5.0, 0.5)
+    assert (run.peer_timeout_s, run.heartbeat_s) == (5.0, 0.25)
+    assert (run.node_timeout_s, run.peer_stall_limit_s) == (1.0, 60.0)  # ft: elastic/nodes.py
     assert load_config(None, ["run.peer_timeout_s=0"]).run.peer_timeout_s == 0.0  # off
 
 
@@ -513,6 +514,8 @@ def test_trainer_config_turns_the_detector_on_by_default() -> None:
         (["run.peer_timeout_s=-1"], "run.peer_timeout_s"),
         (["run.heartbeat_s=0"], "run.heartbeat_s"),
         (["run.peer_timeout_s=1", "run.heartbeat_s=1"], "run.peer_timeout_s"),  # < 2 beats
+        (["run.node_timeout_s=0.3"], "run.node_timeout_s"),  # < 2 beats of 0.25 s
+        (["run.peer_stall_limit_s=3"], "run.peer_stall_limit_s"),  # below the peer bound
     ],
 )
 def test_trainer_config_rejects_bad_detector_settings(overrides, named) -> None:

@@ -199,8 +199,16 @@ class RunConfig:
     """Peer failure detector: leave (exit code 125) when a peer's heartbeat, or the TCP
     store that carries them, has been silent this long (a frozen node, a cut link), so
     torchrun restarts the group without it; 0 disables."""
-    heartbeat_s: float = 0.5
+    heartbeat_s: float = 0.25
     """Seconds between two heartbeats of the peer failure detector."""
+    node_timeout_s: float = 1.0
+    """Under ``--rdzv_backend=ft``: a peer whose heartbeat and whose node's keep-alive (its
+    torchrun agent's) both stopped for this long is silent, well before
+    ``peer_timeout_s``; 0: judge by heartbeats alone."""
+    peer_stall_limit_s: float = 60.0
+    """Under ``--rdzv_backend=ft``: a peer whose heartbeat stopped while its node's
+    keep-alive goes on is stalled (a long garbage collection, a call that holds the GIL):
+    said at WARNING and waited for this long before it counts as silent."""
     straggler_every: int = 0
     """Compare step times across ranks every N steps and record stragglers (0 disables)."""
     collective_timeout_s: float = 120.0
@@ -250,6 +258,19 @@ class RunConfig:
             "run.peer_timeout_s",
             self.peer_timeout_s,
             f"must be 0 (off) or at least 2 x run.heartbeat_s={self.heartbeat_s}",
+        )
+        _require(
+            self.node_timeout_s == 0 or self.node_timeout_s >= 2 * self.heartbeat_s,
+            "run.node_timeout_s",
+            self.node_timeout_s,
+            f"must be 0 (off) or at least 2 x run.heartbeat_s={self.heartbeat_s}",
+        )
+        _require(
+            math.isfinite(self.peer_stall_limit_s)
+            and self.peer_stall_limit_s >= max(self.node_timeout_s, self.peer_timeout_s),
+            "run.peer_stall_limit_s",
+            self.peer_stall_limit_s,
+            "must be at least run.node_timeout_s and run.peer_timeout_s",
         )
         _require(
             self.collective_timeout_s > 0,

@@ -329,6 +329,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, recorder: RunRecorder) -> TrainPr
         straggler_every=cfg.run.straggler_every,
         heartbeat_s=cfg.run.heartbeat_s,
         peer_timeout_s=cfg.run.peer_timeout_s,
+        node_timeout_s=cfg.run.node_timeout_s,
+        stall_limit_s=cfg.run.peer_stall_limit_s,
         attempt=attempt,
         divergence=cfg.run.divergence,
         rollback_skip=cfg.run.rollback_skip,

@@ -185,6 +185,8 @@ class ElasticJob:
         agent_env = env
         env = dict(os.environ)
         env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        for key in ("ELASTIC_FT_STORE", "ELASTIC_FT_NODE"):  # an agent's own (elastic/nodes.py)
+            env.pop(key, None)
         env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
         if self.rdzv_backend == "c10d":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

@@ -273,3 +273,26 @@ def test_chaos_random_worker_kills_resume_bitwise(job_factory, reference_run, ba
     assert_repeated_steps_saw_same_samples(rows)
     assert_bitwise_like(reference_run, job)
     print(f"[{backend}] kills (agent, last step seen): {kills}")
+
+
+def test_a_rank_that_holds_the_gil_for_10_s_is_waited_for_not_removed(job_factory, reference_run):
+    """On ft, rank 1 holds the GIL for 10 s at step 12, as a full garbage collection of a
+    large heap does: its heartbeat stops for twice the peer bound, but its node's
+    keep-alive (its agent's) goes on. Rank 0 says the stall (``peer_stalled``, at WARNING)
+    and waits; nobody is removed, nothing restarts, and the run equals the uninterrupted
+    one bit for bit."""
+    job = job_factory("stall", rdzv_id="stall", rdzv_backend="ft")
+    job.env["TRAINER_FAULTS"] = "stall:step=12:rank=1:seconds=10"
+    run_two_agents(job, 180)
+    assert_completed(job)
+    rows = job.metrics()
+    assert max(r["restart_count"] for r in rows) == 0, rows
+    events = job.all_events()
+    assert not [e for e in events if e["event"] == ev.PEER_SILENT], events
+    stalled = [e for e in events if e["event"] == ev.PEER_STALLED]
+    assert stalled and all(e["stalled_rank"] == 1 and e["rank"] == 0 for e in stalled), stalled
+    assert all(e["stalled_s"] > 5.0 and e["limit_s"] == 60.0 for e in stalled), stalled
+    logs = "\n".join(a.log() for a in job.agents)
+    assert "is alive: its process is stalled" in logs  # rank 0's WARNING
+    assert "heartbeat threads did not run for" in logs  # rank 1's own, after the stall
+    assert_bitwise_like(reference_run, job)

@@ -23,6 +23,7 @@ import pytest
 
 import ckpt
 from elastic.heartbeat import DEFAULT_PEER_TIMEOUT_S
+from elastic.nodes import DEFAULT_NODE_TIMEOUT_S
 from testing.local_cluster import BACKENDS, Agent, ElasticJob
 from testing.netns import IFNAME, Host, VirtualNetwork, netns_unavailable
 from testing.procs import MICRO_BATCH
@@ -229,8 +230,11 @@ def test_a_frozen_node_is_left_behind(network, jobs, tmp_path, record_property, 
     assert len({tuple(e["silent_ranks"]) for e in found}) == 1, found
     assert not {e["rank"] for e in found} & set(found[0]["silent_ranks"]), found
     assert_blamed(found, cluster.hosts[victim.name])
-    bound = DEFAULT_PEER_TIMEOUT_S  # run.peer_timeout_s, the trainer's default
+    # run.peer_timeout_s, the trainer's default; on ft run.node_timeout_s: the frozen
+    # node's keep-alive stopped with its rank's heartbeat (elastic/nodes.py)
+    bound = DEFAULT_NODE_TIMEOUT_S if backend == "ft" else DEFAULT_PEER_TIMEOUT_S
     assert all(bound - 0.5 <= e["silent_s"] <= bound + 4 for e in found), found
+    assert all(e["node_witness"] == (backend == "ft") for e in found), found
     assert recovery < RECOVERY_BOUND_S
 
 
