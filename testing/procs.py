@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 from testing.local_cluster import REPO, descendants
 
@@ -17,11 +19,15 @@ ranks accumulate 6, 3 or 2 micro-batches per step. Half the FSDP passes of the c
 micro-batch of 2, the same samples per step; accumulation still runs at every world size."""
 
 
+STACKS_GRACE_S = 2.0
+"""After a timeout, how long the processes get to print their stacks before SIGKILL."""
+
+
 class RunTimeoutError(TimeoutError):
     """The command outlived its deadline; it and every descendant were SIGKILLed."""
 
     def __init__(self, cmd: list[str], timeout_s: float, output: str) -> None:
-        super().__init__(f"{' '.join(cmd)} still running after {timeout_s} s:\n{output[-4000:]}")
+        super().__init__(f"{' '.join(cmd)} still running after {timeout_s} s:\n{output[-12000:]}")
         self.output = output
 
 
@@ -31,19 +37,28 @@ def run_bounded(
     """Run ``cmd`` (stdout and stderr together) with a deadline.
 
     torchrun starts workers in their own sessions, so on timeout every descendant of
-    the process is killed by pid, not only its process group.
+    the process is killed by pid, not only its process group. Python's fault handler is
+    on in each of them: on timeout they are sent SIGABRT first, so the output ends with
+    every thread's stack of every process (where a hang hung), then SIGKILL.
     """
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        cmd, cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        for pid in [*descendants(proc.pid), proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        tree = [*descendants(proc.pid), proc.pid]
+        for sig in (signal.SIGABRT, signal.SIGKILL):
+            for pid in tree:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            if sig == signal.SIGABRT:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=STACKS_GRACE_S)
+                time.sleep(0.5)  # the workers' dumps, after the parent's
         out, _ = proc.communicate()
         raise RunTimeoutError(cmd, timeout_s, out) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout=out)
