@@ -63,13 +63,13 @@ def build_tiny_gpt(rank: int, world: int) -> TinyGpt:
 def plain_step(g: TinyGpt, cursor: int) -> None:
     """One optimizer step with nothing but FSDP2: accumulate, clip, AdamW step.
 
-    Same micro-batches (ids, sizes, accumulation) as the trainer's step at ``cursor``,
+    Same micro-batches (ids, sizes, accumulation), clip and AdamW (on the shards,
+    :mod:`trainer.shard_local`) as the trainer's step at ``cursor``,
     without its extras (loss all-reduce, sample-id gather, per-micro-batch seeding,
     metrics, watchdog, checkpoint bookkeeping).
     """
-    import torch
-
     from trainer.data import micro_batch_ids
+    from trainer.shard_local import clip_grad_norm
 
     g.model.train()
     ids_list = micro_batch_ids(g.order, cursor, g.layout, g.ctx.rank)
@@ -78,6 +78,6 @@ def plain_step(g: TinyGpt, cursor: int) -> None:
         g.model.set_requires_gradient_sync(k == g.layout.accum - 1)
         per_sample = g.model(inputs, targets)
         (per_sample.sum() / g.layout.global_batch).backward()
-    torch.nn.utils.clip_grad_norm_(g.model.parameters(), g.cfg.optim.grad_clip)
+    clip_grad_norm(g.model.parameters(), g.cfg.optim.grad_clip)
     g.optimizer.step()
     g.optimizer.zero_grad(set_to_none=True)

@@ -188,6 +188,19 @@ def test_adam_state_is_not_made_for_other_optimizers_or_ones_with_state():
         MyAdam(model.parameters()),
     ):
         assert not ckpt.state.app_state.init_adam_state(optim) and not optim.state
+
+    class DeclaredAdam(torch.optim.AdamW):
+        ckpt_adam_state = True  # its state is AdamW's: created as AdamW's is
+
+    class OwnStateAdam(DeclaredAdam):
+        def _init_group(self, *args):  # says so, but makes its own state: not taken
+            return super()._init_group(*args)
+
+    declared = DeclaredAdam(model.parameters())
+    assert ckpt.state.app_state.init_adam_state(declared)
+    assert {k for v in declared.state.values() for k in v} == {"step", "exp_avg", "exp_avg_sq"}
+    own = OwnStateAdam(model.parameters())
+    assert not ckpt.state.app_state.init_adam_state(own) and not own.state
     stepped = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 3)).sum().backward()
     assert not ckpt.state.app_state.init_adam_state(stepped)  # grads present: DCP's path

@@ -14,6 +14,7 @@ from trainer.config import OptimConfig, TrainConfig
 from trainer.distributed import DistContext
 from trainer.model import GPT
 from trainer.rng import derive_seed
+from trainer.shard_local import ShardLocalAdamW
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,12 @@ def build_model(cfg: TrainConfig, vocab_size: int, ctx: DistContext) -> GPT:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not biases, norms)."""
+    """AdamW with weight decay on matrices only (not biases, norms), stepped on each
+    rank's shards (:mod:`trainer.shard_local`)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return ShardLocalAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from ckpt import CheckpointManager
 from elastic.events import RunRecorder
@@ -39,6 +38,7 @@ from trainer.config import TrainConfig
 from trainer.data import BatchLayout, TokenSamples, build_samples, samples_digest
 from trainer.distributed import DistContext
 from trainer.schedule import lr_at
+from trainer.shard_local import clip_grad_norm
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +114,7 @@ def train_step(
             (per_sample.sum() / layout.global_batch).backward()
         loss_sum += per_sample.detach().sum()
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if isinstance(grad_norm, DTensor):
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = clip_grad_norm(model.parameters(), max_norm)  # on the shards, one all-reduce
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum)

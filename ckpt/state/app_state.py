@@ -379,6 +379,17 @@ def _grads_set_aside(optim: torch.optim.Optimizer) -> Iterator[None]:
             param.grad = grad
 
 
+def _adam_state_of(cls: type) -> bool:
+    """Whether optimizers of ``cls`` create exactly Adam's state in their first step."""
+    if cls in (torch.optim.Adam, torch.optim.AdamW):
+        return True
+    return (
+        issubclass(cls, torch.optim.Adam)
+        and getattr(cls, "ckpt_adam_state", False) is True
+        and cls._init_group is torch.optim.Adam._init_group
+    )
+
+
 def init_adam_state(optim: torch.optim.Optimizer) -> bool:
     """Give a never-stepped ``Adam``/``AdamW`` the state its first ``step()`` creates.
 
@@ -386,10 +397,12 @@ def init_adam_state(optim: torch.optim.Optimizer) -> bool:
     device when ``fused`` or ``capturable``; ``exp_avg``, ``exp_avg_sq`` and with
     ``amsgrad`` ``max_exp_avg_sq`` as zeros like the parameter) for every parameter that
     requires grad, so the next ``step()`` runs as the first one would. Returns False and
-    changes nothing for another optimizer type (subclasses included), an optimizer with
-    state or gradients already, or a ``differentiable`` one: DCP's zero step applies.
+    changes nothing for another optimizer type (a subclass too, unless it declares
+    ``ckpt_adam_state = True`` and keeps Adam's ``_init_group``: its state is Adam's), an
+    optimizer with state or gradients already, or a ``differentiable`` one: DCP's zero
+    step applies.
     """
-    if optim.state or type(optim) not in (torch.optim.Adam, torch.optim.AdamW):
+    if optim.state or not _adam_state_of(type(optim)):
         return False
     groups = optim.param_groups
     if any(g.get("differentiable") for g in groups):
