@@ -76,6 +76,14 @@ PEER_SILENT_EXIT_CODE = 125
 STARTUP_GRACE_S = 10.0
 """Extra time a peer gets for its first heartbeat (ranks enter the guard at slightly
 different times)."""
+JUDGE_EVERY_S = 0.05
+"""How often the monitor judges what the reads saw (at most every heartbeat interval):
+a bound crossed between two reads is acted on within this, not up to an interval later.
+Judging reads no store; it compares times under a lock."""
+DEPARTED_LIMIT_S = 0.5
+"""The most marking the silent nodes departed may take before the rank leaves anyway."""
+MAX_KEEPALIVE_BYTES = 64
+"""Longer keep-alive values are not kept for the departed mark (they are not ours)."""
 SELF_STALL_S = 2.0
 """The monitor woke this much later than asked: this process was not running (GIL held
 by a C call, CPU starvation, SIGSTOP); the gap is not held against anyone."""
@@ -467,6 +475,8 @@ class _Observed:
     node_values: dict[str, int] = field(default_factory=dict)
     node_seen: dict[str, float] = field(default_factory=dict)
     """Monotonic time each node's keep-alive was last seen moving (or first read)."""
+    node_raw: dict[str, bytes] = field(default_factory=dict)
+    """Each node's keep-alive value as last read (well formed), for :meth:`_mark_departed`."""
     node_ok: float | None = None
     """Monotonic time of the last completed read of the node keep-alives."""
     stalled: dict[int, float] = field(default_factory=dict)
@@ -582,7 +592,7 @@ class PeerHeartbeat:
             self._threads.append(thread)
             thread.start()
         logger.info(
-            "rank %d: peer heartbeat every %.2fs through %s, watching %d peer(s), bound %.1fs%s",
+            "rank %d: peer heartbeat every %gs through %s, watching %d peer(s), bound %.1fs%s",
             self.rank, self.interval_s, self.address.describe(), len(self.peers), self.timeout_s,
             "" if self.nodes is None else (
                 f"; with their nodes' keep-alives from {self.nodes.describe()}: bound "
@@ -823,6 +833,8 @@ class PeerHeartbeat:
                     if obs.node_values.get(node) != counter:
                         obs.node_values[node] = counter
                         obs.node_seen[node] = now
+                    if len(raw) <= MAX_KEEPALIVE_BYTES:
+                        obs.node_raw[node] = bytes(raw)
 
     def _record(
         self,
@@ -916,15 +928,20 @@ class PeerHeartbeat:
         # A peer is silent when its counter has not moved for the bound, and it had already
         # stopped while the store still answered (by more than two heartbeats at the last
         # completed read): a slow or departed store alone is not a peer's fault, and a peer
-        # that was silent before the store went away (its host left first) still is.
+        # that was silent before the store went away (its host left first) still is. A peer
+        # whose node's keep-alive stopped too has a witness that does not depend on this
+        # store: the store going away as well (its host rank left on that same peer's
+        # silence, a moment earlier) does not excuse it.
         margin = 2 * self.interval_s + 0.25
         statuses: dict[int, str] = {}
         for peer, seen_at in seen.items():
-            if last_ok - seen_at <= margin:
+            peer_node_age = node_age(peer)
+            node_stopped = peer_node_age is not None and peer_node_age > self.node_timeout_s
+            if last_ok - seen_at <= margin and not node_stopped:
                 continue
             statuses[peer] = peer_status(
                 now - seen_at,
-                node_age(peer),
+                peer_node_age,
                 timeout_s=self.timeout_s,
                 node_timeout_s=self.node_timeout_s,
                 stall_limit_s=self.stall_limit_s,
@@ -979,9 +996,9 @@ class PeerHeartbeat:
     def _monitor(self) -> None:
         previous = time.monotonic()
         baseline = previous
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(min(self.interval_s, JUDGE_EVERY_S)):
             now = time.monotonic()
-            if now - previous > self.interval_s + SELF_STALL_S:
+            if now - previous > min(self.interval_s, JUDGE_EVERY_S) + SELF_STALL_S:
                 logger.warning(
                     "rank %d: heartbeat threads did not run for %.1fs (this process was "
                     "stalled); not judging peers on that gap",
@@ -1023,6 +1040,7 @@ class PeerHeartbeat:
         logger.error("%s", message)
         if not logging.getLogger().handlers:
             print(message, file=sys.stderr, flush=True)
+        self._mark_departed(verdict)
         if self.on_silent is not None:
             call_bounded(self.on_silent, verdict, name="elastic-heartbeat-on-silent",
                          limit_s=ON_SILENT_LIMIT_S,
@@ -1031,3 +1049,29 @@ class PeerHeartbeat:
             self._stop.set()
             return
         leave_from_monitor(self.exit_code)
+
+    def _mark_departed(self, verdict: SilentVerdict) -> None:
+        """After a verdict that the node keep-alives witnessed, leave each silent node's
+        last-read keep-alive at :func:`elastic.nodes.departed_key`: the re-round takes the
+        node for gone while its keep-alive still reads that (it does not wait for the
+        rendezvous's own bound, ``keep_alive_timeout``). Best effort, bounded."""
+        channel = self.nodes
+        if channel is None or not verdict.node_witness or verdict.store_silent:
+            return
+        with self._lock:
+            obs = self._observed
+            assert obs is not None
+            nodes = {obs.node_of.get(rank) for rank in verdict.silent_ranks} - {None}
+            marks = {channel.departed_key(n): obs.node_raw[n] for n in nodes if n in obs.node_raw}
+        if not marks:
+            return
+
+        def write(items: dict[str, bytes]) -> None:
+            store = self._connect_nodes()
+            for key, raw in items.items():
+                store.set(key, raw.decode("ascii", "replace"))
+
+        call_bounded(write, marks, name=f"elastic-heartbeat-departed-rank{self.rank}",
+                     limit_s=DEPARTED_LIMIT_S,
+                     what=f"rank {self.rank}: marking the silent nodes departed")  # fmt: skip
+

@@ -50,6 +50,14 @@ def keepalive_key(run_id: str, node: str) -> str:
     return f"ft/{run_id}/hb/{node}"
 
 
+def departed_key(run_id: str, node: str) -> str:
+    """Where a rank that judged ``node`` frozen or cut off (its rank's heartbeat and its
+    keep-alive both stopped) leaves the keep-alive value it last saw
+    (``ft/<run id>/departed/<node>``): the re-round that follows need not wait for that
+    keep-alive to age past the rendezvous's own bound while it still reads that value."""
+    return f"ft/{run_id}/departed/{node}"
+
+
 def node_id_text(raw: bytes | str) -> str | None:
     """A node id read from a store, or None when it is not short printable text."""
     try:
@@ -81,6 +89,9 @@ class NodeChannel:
 
     def key(self, node: str) -> str:
         return keepalive_key(self.run_id, node)
+
+    def departed_key(self, node: str) -> str:
+        return departed_key(self.run_id, node)
 
     def describe(self) -> str:
         return f"the ft rendezvous store at {self.host}:{self.port}"

@@ -25,6 +25,9 @@ Store layout, all under ``ft/<run_id>/`` (the run id fences jobs apart):
   list of node ids (rank = position), or ``"closed"``;
 - ``hb/<node id>``: keep-alive, ``"<counter> <unix time>"``, rewritten every
   ``keep_alive_interval`` by a thread with its own connection;
+- ``departed/<node id>``: written by a worker whose detector judged that node frozen or
+  cut off (:mod:`elastic.nodes`): the keep-alive value it last saw. A re-round does not
+  wait for an absent member whose keep-alive still reads that value;
 - ``closed``: present once the job is over (``set_closed``, ``shutdown``);
 - ``r<R>/agent/``: the prefix of the store handed to the agent for round R.
 
@@ -84,7 +87,7 @@ from torch.distributed.elastic.rendezvous.utils import (
     parse_rendezvous_endpoint,
 )
 
-from elastic.nodes import export_node, keepalive_key
+from elastic.nodes import departed_key, export_node, keepalive_key
 
 log = logging.getLogger(__name__)
 
@@ -496,7 +499,7 @@ class FtRendezvousHandler(RendezvousHandler):
                     if previous:
                         # a re-round: done once every live member of the last round is back
                         absent = [p for p in previous if p not in joined]
-                        ready = not any(liveness.alive(p, self._hb(p)) for p in absent)
+                        ready = not any(self._still_alive(liveness, p) for p in absent)
                         ready = ready or waited >= self.config.rejoin_timeout
                     else:
                         ready = waited >= self.config.last_call_timeout
@@ -586,6 +589,18 @@ class FtRendezvousHandler(RendezvousHandler):
         ]
 
     # -- keep-alive -----------------------------------------------------------------------
+
+    def _still_alive(self, liveness: Liveness, node: str) -> bool:
+        """Whether an absent member of the last round may still come back: its keep-alive
+        is fresh (``liveness``), unless a worker judged its node frozen or cut off and left
+        the keep-alive value it last saw (:func:`elastic.nodes.departed_key`) which the
+        keep-alive still reads: then it has not moved since, and is not waited for."""
+        value = self._hb(node)
+        if value is not None:
+            key = departed_key(self._run_id, node)
+            if self._store.check([key]) and _text(self._store.get(key)) == value:
+                return False
+        return liveness.alive(node, value)
 
     def _hb(self, node: str) -> str | None:
         key = keepalive_key(self._run_id, node)

@@ -236,6 +236,42 @@ def test_a_peer_that_stops_is_named_by_every_survivor() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_bound_crossed_between_two_reads_is_acted_on_within_the_judging_cadence() -> None:
+    # Reads every 0.5 s taking 0.2 s each, bound 2 s: a monitor that judged at the read
+    # cadence (woken with the reads) would see the bound crossed 0.2 s after it looked, and
+    # act at its next look, 0.3 s past the bound.
+    store = FakeStore()
+    verdicts: dict[int, list] = {r: [] for r in range(4)}
+
+    class SlowReads(FakeClient):
+        def multi_get(self, keys):
+            values = self.__getattr__("multi_get")(keys)
+            time.sleep(0.2)
+            return values
+
+    clients = [SlowReads(store) for _ in range(4)]
+    ranks = [
+        PeerHeartbeat(
+            rank=r, world_size=4, address=StoreAddress("10.0.0.1", 1, 0), key_prefix="t",
+            interval_s=0.5, timeout_s=2.0, on_silent=verdicts[r].append, exit_process=False,
+            connect=lambda c=clients[r]: c, startup_grace_s=0.5, self_info=f"host {r}",
+        ).start()
+        for r in range(4)
+    ]  # fmt: skip
+    try:
+        time.sleep(1.2)
+        clients[3].freeze()
+        assert _wait(lambda: all(verdicts[r] for r in range(3)), 10)
+        for r in range(3):
+            (v,) = verdicts[r]
+            assert v.silent_ranks == [3] and v.bound_s == 2.0
+            assert 2.0 < v.silent_s < 2.0 + 0.15, (r, v.silent_s)
+    finally:
+        for hb in ranks:
+            hb.stop()
+
+
+@pytest.mark.timeout(30)
 def test_a_frozen_store_counts_as_its_host_rank_being_silent() -> None:
     store = FakeStore()
     verdicts: dict[int, list] = {r: [] for r in range(3)}

@@ -29,6 +29,7 @@ from elastic.nodes import (
     ENV_STORE,
     NodeChannel,
     check_node_bounds,
+    departed_key,
     export_node,
     keepalive_counter,
     keepalive_key,
@@ -200,6 +201,39 @@ def test_a_frozen_node_is_silent_at_the_node_bound_not_the_peer_bound(job_factor
 
 
 @pytest.mark.timeout(30)
+def test_a_frozen_node_is_judged_even_when_the_store_goes_away_just_after(job_factory) -> None:
+    # Rank 0 hosts the store; it judges node 2 first and leaves, taking the store with it,
+    # before rank 1 has seen node 2's heartbeat stand still for long while the store
+    # answered. Rank 1 still has node 2's keep-alive as a witness: node bound, not the
+    # store's 3 s bound on a store whose host node (node 0) lives.
+    job = job_factory()
+    time.sleep(0.6)
+    job.clients[2].freeze()
+    job.agents[2].stopped.set()
+    frozen = time.monotonic()
+    time.sleep(0.1)
+    job.pg.freeze()  # rank 0's process (and the store it hosts) is gone
+    assert _wait(lambda: job.verdicts[1], 10)
+    (v,) = job.verdicts[1]
+    assert time.monotonic() - frozen < 1.5
+    assert v.silent_ranks == [2] and v.node_witness and not v.store_silent
+
+
+@pytest.mark.timeout(30)
+def test_a_frozen_node_is_marked_departed_with_the_keep_alive_it_left(job_factory) -> None:
+    job = job_factory()
+    time.sleep(0.6)
+    job.clients[2].freeze()
+    job.agents[2].stopped.set()
+    assert _wait(lambda: job.verdicts[0] and job.verdicts[1], 10)
+    time.sleep(0.1)  # the mark is written before the verdict is handed on: nothing pending
+    standing = job.rdzv.get(keepalive_key("job", "node2"))
+    assert job.rdzv.get(departed_key("job", "node2")) == standing
+    for node in ("node0", "node1"):
+        assert not job.rdzv.check([departed_key("job", node)])
+
+
+@pytest.mark.timeout(30)
 def test_a_stalled_rank_whose_node_lives_is_waited_for_and_said(job_factory, caplog) -> None:
     job = job_factory(timeout_s=0.6)
     time.sleep(0.6)
@@ -235,6 +269,7 @@ def test_a_stall_past_the_stall_limit_is_silent(job_factory) -> None:
     for r in (0, 1):
         (v,) = job.verdicts[r]
         assert v.silent_ranks == [2] and v.bound_s == 1.5 and not v.node_witness
+    assert not job.rdzv.check([departed_key("job", "node2")])  # its node lives: not departed
 
 
 @pytest.mark.timeout(30)

@@ -20,6 +20,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from elastic.nodes import departed_key, keepalive_key
 from elastic.rendezvous import FtConfig, FtRendezvousHandler, Liveness, create_handler
 from testing.ports import free_port
 
@@ -138,6 +139,32 @@ def test_re_round_after_a_member_stops_heartbeating(nodes):
     took = time.monotonic() - t0
     assert_one_round(infos, 2)
     assert took < 2.0, took  # the dead member is not waited for (rejoin_timeout is 5 s)
+
+
+def test_a_member_a_worker_marked_departed_is_not_waited_for_while_its_keep_alive_stands(
+    nodes, server
+):
+    slow_to_forget = FtConfig(
+        last_call_timeout=0.3, keep_alive_interval=0.05, keep_alive_timeout=4.0,
+        rejoin_timeout=8.0, join_timeout=20.0,
+    )  # fmt: skip
+    n = nodes(min_nodes=2, max_nodes=4)
+    hs = [n.add(slow_to_forget) for _ in range(3)]
+    assert_one_round(results(n.start(hs)), 3)
+    hs[2]._stop_heartbeat()  # node2 froze: its keep-alive stands still
+    time.sleep(0.2)
+    store = client(server)
+    standing = store.get(keepalive_key("job", "node2")).decode()
+    store.set(departed_key("job", "node2"), "7 1.0")  # not the value it reads: no effect
+    t0 = time.monotonic()
+    futures = n.start(hs[:2])
+    time.sleep(1.0)
+    assert not any(f.done() for f in futures)  # waited for: its keep-alive is 1.2 s old of 4
+    store.set(departed_key("job", "node2"), standing)  # a worker's verdict, with what it saw
+    infos = results(futures)
+    took = time.monotonic() - t0
+    assert_one_round(infos, 2)
+    assert took < 2.0, took  # not the 4 s keep-alive bound
 
 
 def test_re_round_completes_when_all_live_members_rejoined(nodes):
