@@ -210,6 +210,20 @@ def test_adam_state_is_not_made_for_other_optimizers_or_ones_with_state():
     assert {k: dict(v) for k, v in stepped.state.items()} == before
 
 
+def test_a_declared_adam_subclass_is_taken_after_torch_dynamo_rewrapped_adamw(monkeypatch):
+    # torch._dynamo's TorchPatcher wraps each torch optimizer's _init_group on its own
+    # class once dynamo runs: AdamW's is then no longer Adam's object, yet still torch's.
+    from torch import nn
+
+    original = torch.optim.Adam._init_group
+    monkeypatch.setattr(torch.optim.AdamW, "_init_group", lambda self, *a: original(self, *a))
+
+    class DeclaredAdam(torch.optim.AdamW):
+        ckpt_adam_state = True
+
+    assert ckpt.state.app_state.init_adam_state(DeclaredAdam(nn.Linear(3, 2).parameters()))
+
+
 def _adam_templates(rank: int, world: int) -> list[tuple]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.tensor import DTensor

@@ -383,11 +383,12 @@ def _adam_state_of(cls: type) -> bool:
     """Whether optimizers of ``cls`` create exactly Adam's state in their first step."""
     if cls in (torch.optim.Adam, torch.optim.AdamW):
         return True
-    return (
-        issubclass(cls, torch.optim.Adam)
-        and getattr(cls, "ckpt_adam_state", False) is True
-        and cls._init_group is torch.optim.Adam._init_group
-    )
+    if not issubclass(cls, torch.optim.Adam) or getattr(cls, "ckpt_adam_state", False) is not True:
+        return False
+    # Whose _init_group it runs: torch's own classes (whose attribute torch._dynamo may
+    # have rewrapped, class by class), not one of its own.
+    owner = next(k for k in cls.__mro__ if "_init_group" in vars(k))
+    return owner in (torch.optim.Adam, torch.optim.AdamW)
 
 
 def init_adam_state(optim: torch.optim.Optimizer) -> bool:
